@@ -1,0 +1,21 @@
+"""deltaserve: an inference and serving engine for the Kimi K3.1 Pro model family."""
+
+from .config import ModelConfig
+from .errors import CheckpointError, ConfigError, DeltaserveError
+
+
+def load_model(path, dtype: str = "float32", device: str = "cpu"):
+    """Load a checkpoint folder and return its model (see `deltaserve.models.loader.load_model`)."""
+    from .models.loader import load_model as _load
+
+    return _load(path, dtype=dtype, device=device)
+
+
+def load_tokenizer(path):
+    """Load a checkpoint folder's tiktoken.model + tokenizer_config.json."""
+    from .tokenizer import load_tokenizer as _load
+
+    return _load(path)
+
+
+__all__ = ["ModelConfig", "ConfigError", "CheckpointError", "DeltaserveError", "load_model", "load_tokenizer"]

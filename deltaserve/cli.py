@@ -1,0 +1,73 @@
+"""`deltaserve` command line: make-model, generate."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from . import envs
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from .config import ModelConfig
+    from .tools.accounting import account, format_accounting
+    from .tools.make_model import write_checkpoint
+    from .tools.presets import get_preset
+
+    preset = get_preset(args.preset)
+    if args.meta:
+        print(format_accounting(preset.name, account(ModelConfig.from_dict(preset.config))))
+        return 0
+    if args.out is None:
+        print("make-model: OUT folder is required unless --meta is given", file=sys.stderr)
+        return 2
+    if preset.name == "k31-pro":
+        print("make-model: k31-pro is 2.8T parameters; use --meta to account for it", file=sys.stderr)
+        return 2
+    out = write_checkpoint(preset, Path(args.out), seed=args.seed, dtype=args.dtype,
+                           mxfp4_experts=args.mxfp4_experts, shard_bytes=int(args.shard_size_mb * (1 << 20)))
+    print(f"wrote {preset.name} to {out}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .default_model import default_model_path
+    from .simple_generate import greedy_generate
+
+    path = Path(args.model) if args.model else default_model_path()
+    for text in greedy_generate(path, args.prompt, args.max_tokens, dtype=args.dtype):
+        print(text, end="", flush=True)
+    print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="deltaserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mm = sub.add_parser("make-model", help="write a random checkpoint of a preset in the real file layout")
+    mm.add_argument("--preset", required=True)
+    mm.add_argument("out", nargs="?")
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    mm.add_argument("--meta", action="store_true", help="build on the meta device and print the accounting")
+    mm.add_argument("--mxfp4-experts", action="store_true", help="routed experts in mxfp4-pack-quantized layout")
+    mm.add_argument("--shard-size-mb", type=float, default=2048.0)
+    mm.set_defaults(func=_make_model)
+
+    gen = sub.add_parser("generate", help="greedy continuation of a prompt")
+    gen.add_argument("model", nargs="?", help="checkpoint folder (default: the embedded default model)")
+    gen.add_argument("--prompt", default="The quick brown fox")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.set_defaults(func=_generate)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Typed errors raised by deltaserve. Each names the thing that is wrong so a user can fix it."""
+
+
+class DeltaserveError(Exception):
+    """Base class of every error deltaserve raises on purpose."""
+
+
+class ConfigError(DeltaserveError, ValueError):
+    """A checkpoint's config.json is missing a key, has an invalid value, or contradicts itself."""
+
+
+class CheckpointError(DeltaserveError, ValueError):
+    """A checkpoint's tensors do not match what its config describes (missing, unexpected, mis-shaped)."""

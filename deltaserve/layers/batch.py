@@ -1,0 +1,64 @@
+"""StepBatch: what one forward step computes, built once and handed to every layer.
+
+Tokens of all sequences in a step are flattened into one [N] array; sequence i owns the rows
+`query_start[i]:query_start[i+1]`, which sit at positions `context_lens[i] .. context_lens[i] + n_i - 1` of that
+sequence. Layers never look at global state: everything about sequences and caches comes through this object.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ModelCache(ABC):
+    """Per-layer storage of the cross-token state of a hybrid model, addressed by an opaque per-sequence handle.
+
+    Contract: `kda_state` returns tensors the KDA layer reads and then overwrites in place (conv window
+    [3, P, W-1] and recurrent state [H, K, V], both fp32). `write_mla` stores rows for positions
+    `start .. start + n - 1`; `read_mla` returns rows for positions `0 .. length - 1` (index keys are None for
+    layers without an indexer). A layer writes its new rows before reading, so a sequence sees its own chunk.
+    """
+
+    @abstractmethod
+    def kda_state(self, layer: int, handle: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def write_mla(self, layer: int, handle: Any, start: int, latent: torch.Tensor,
+                  index_keys: torch.Tensor | None) -> None: ...
+
+    @abstractmethod
+    def read_mla(self, layer: int, handle: Any, length: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@dataclass
+class StepBatch:
+    """One step's flattened token layout. `cache=None` means a plain forward of fresh sequences (context 0)."""
+
+    positions: torch.Tensor  # [N] int64, absolute position of every token within its own sequence
+    query_start: list[int]  # [B+1] row offsets of each sequence in the flattened tokens
+    context_lens: list[int]  # [B] tokens already cached for each sequence before this step
+    cache: ModelCache | None = None
+    handles: list[Any] = field(default_factory=list)  # [B] per-sequence cache handles
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    def rows(self, i: int) -> slice:
+        return slice(self.query_start[i], self.query_start[i + 1])
+
+    def handle(self, i: int) -> Any:
+        return self.handles[i] if self.handles else None
+
+    @classmethod
+    def single(cls, num_tokens: int, context_len: int = 0, cache: ModelCache | None = None,
+               handle: Any = None, device: torch.device | str = "cpu") -> "StepBatch":
+        """A batch of one sequence computing `num_tokens` tokens after `context_len` cached ones."""
+        if cache is None and context_len:
+            raise ValueError("a StepBatch without a cache cannot continue a sequence (context_len must be 0)")
+        positions = torch.arange(context_len, context_len + num_tokens, device=device)
+        return cls(positions, [0, num_tokens], [context_len], cache, [handle] if cache is not None else [])

@@ -1,0 +1,83 @@
+"""Kimi Delta Attention layer (model.md §8): projections, short convs, forget gate, beta, L2 norm, the delta-rule
+recurrence (chunked for prefill chunks, recurrent for decode) and the gated output norm.
+
+Per-sequence state (through `batch.cache`): conv windows [3, P, W-1] (q, k, v pre-conv inputs) and the recurrent
+state [H, K, V] (key-major), both fp32.
+"""
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.conv import short_conv
+from ..ops.kda import kda_chunk, kda_gate, kda_recurrent, l2_normalize
+from .batch import StepBatch
+from .linear import Linear
+from .norm import gated_rms_norm
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.config, self.layer = config, layer
+        d, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        P, W = H * K, config.kda_conv_size
+        self.H, self.K, self.P, self.W = H, K, P, W
+        self.q_proj, self.k_proj, self.v_proj = Linear(d, P), Linear(d, P), Linear(d, P)
+        self.q_conv1d = _Conv(P, W)
+        self.k_conv1d = _Conv(P, W)
+        self.v_conv1d = _Conv(P, W)
+        self.f_a_proj = Linear(d, K)
+        self.f_b_proj = Linear(K, P)
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(P, dtype=torch.float32))
+        self.b_proj = Linear(d, H)
+        if config.kda_full_rank_gate:
+            self.g_proj = Linear(d, P)
+        else:
+            self.g_a_proj = Linear(d, K)
+            self.g_b_proj = Linear(K, P)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(K))
+        self.o_proj = Linear(P, d)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        N, H, K = x.shape[0], self.H, self.K
+        q_in, k_in, v_in = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        u = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        g = kda_gate(u.view(N, H, K), self.A_log.float(), self.config.kda_gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        gate = self.g_proj(x) if self.config.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+
+        core = torch.empty(N, H, K, dtype=torch.float32, device=x.device)
+        for i in range(batch.num_seqs):
+            rows = batch.rows(i)
+            state = batch.cache.kda_state(self.layer, batch.handle(i)) if batch.cache is not None else None
+            conv_state = state[0] if state is not None else None
+            convs = []
+            for j, (inp, conv) in enumerate(((q_in, self.q_conv1d), (k_in, self.k_conv1d), (v_in, self.v_conv1d))):
+                y, new_window = short_conv(inp[rows], conv.weight.view(self.P, self.W),
+                                           None if conv_state is None else conv_state[j])
+                convs.append(y)
+                if conv_state is not None:
+                    conv_state[j].copy_(new_window)
+            T = rows.stop - rows.start
+            q = l2_normalize(convs[0].float().view(T, H, K))
+            k = l2_normalize(convs[1].float().view(T, H, K))
+            v = convs[2].float().view(T, H, K)
+            initial = state[1] if state is not None else None
+            run = kda_recurrent if T == 1 else kda_chunk
+            o, final = run(q, k, v, g[rows], beta[rows], K ** -0.5, initial)
+            if state is not None:
+                state[1].copy_(final)
+            core[rows] = o
+        out = gated_rms_norm(core.to(x.dtype), gate.view(N, H, K), self.o_norm.weight, self.config.rms_norm_eps)
+        return self.o_proj(out.reshape(N, self.P))
+
+
+class _Conv(nn.Module):
+    """Holds a depthwise conv weight under the checkpoint's name `*_conv1d.weight` [P, 1, W] (fp32)."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, width, dtype=torch.float32))

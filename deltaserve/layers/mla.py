@@ -1,0 +1,114 @@
+"""Multi-head latent attention: NoPE (Kimi) or RoPE/YaRN (DeepSeek), optional sigmoid output gate (K3), optional
+DSA lightning indexer (DeepSeek-V3.2, K3.1) — model.md §9.
+
+Cache rows per token: [c (kv_lora_rank) | k_pe (rope dim)] and, with an indexer, its key [D_I].
+"""
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.indexer import indexer_scores_ref, select_topk, selection_mask
+from ..ops.mla import mla_attention_absorbed, mla_attention_ref
+from .batch import StepBatch
+from .linear import Linear
+from .norm import LayerNorm, RMSNorm
+from .rope import RotaryEmbedding, rotate_half_split, rotate_interleaved, softmax_scale_factor
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: one key per token (cached), H_I query heads read from the MLA's c_q."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, dim = config.index_n_heads, config.index_head_dim
+        self.heads, self.head_dim = h, dim
+        self.wq_b = Linear(config.q_lora_rank, h * dim)
+        self.wk = Linear(config.hidden_size, dim)
+        self.k_norm = LayerNorm(dim, config.index_norm_eps)
+        self.weights_proj = Linear(config.hidden_size, h)
+        self.rope_dim = config.qk_rope_head_dim if config.index_use_rope else 0
+
+    def project(self, x: torch.Tensor, c_q: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [N, H_I, D_I], keys [N, D_I] and head weights [N, H_I] (scaled by H_I^-1/2) for all rows."""
+        q = self.wq_b(c_q).view(x.shape[0], self.heads, self.head_dim)
+        k = self.k_norm(self.wk(x))
+        if self.rope_dim:
+            cos, sin = cos_sin
+            r = self.rope_dim
+            q = torch.cat([rotate_half_split(q[..., :r], cos.unsqueeze(1), sin.unsqueeze(1)).to(q.dtype),
+                           q[..., r:]], dim=-1)
+            k = torch.cat([rotate_half_split(k[..., :r], cos, sin).to(k.dtype), k[..., r:]], dim=-1)
+        w = self.weights_proj(x).float() * self.heads ** -0.5
+        return q, k, w
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, use_indexer: bool):
+        super().__init__()
+        self.config, self.layer = config, layer
+        d, H = config.hidden_size, config.num_heads
+        self.H, self.n, self.rho, self.v, self.r = (H, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                                                   config.v_head_dim, config.kv_lora_rank)
+        if config.q_lora_rank is None:
+            self.q_proj = Linear(d, H * config.qk_head_dim)
+        else:
+            self.q_a_proj = Linear(d, config.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.mla_norm_eps)
+            self.q_b_proj = Linear(config.q_lora_rank, H * config.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(d, self.r + self.rho)
+        self.kv_a_layernorm = RMSNorm(self.r, config.mla_norm_eps)
+        self.kv_b_proj = Linear(self.r, H * (self.n + self.v))
+        if config.mla_use_output_gate:
+            self.g_proj = Linear(d, H * self.v)
+        self.o_proj = Linear(H * self.v, d)
+        self.indexer = Indexer(config) if use_indexer else None
+        self.rotary = (RotaryEmbedding(self.rho, config.rope_theta, config.rope_scaling)
+                       if config.uses_rope or (use_indexer and config.index_use_rope) else None)
+        self.scale = config.qk_head_dim ** -0.5 * softmax_scale_factor(config.rope_scaling if config.uses_rope else None)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        N = x.shape[0]
+        if self.config.q_lora_rank is None:
+            c_q, q = None, self.q_proj(x)
+        else:
+            c_q = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(c_q)
+        q = q.view(N, self.H, self.n + self.rho)
+        q_nope, q_pe = q[..., :self.n], q[..., self.n:]
+        ckv = self.kv_a_proj_with_mqa(x)
+        c, k_pe = self.kv_a_layernorm(ckv[:, :self.r]), ckv[:, self.r:]
+        cos_sin = self.rotary.cos_sin(batch.positions) if self.rotary is not None else None
+        if self.config.uses_rope:
+            cos, sin = cos_sin
+            q_pe = rotate_interleaved(q_pe, cos.unsqueeze(1), sin.unsqueeze(1)).to(q.dtype)
+            k_pe = rotate_interleaved(k_pe, cos, sin).to(q.dtype)
+        latent_rows = torch.cat([c, k_pe], dim=-1)
+        iq = ik = iw = None
+        if self.indexer is not None:
+            iq, ik, iw = self.indexer.project(x, c_q, cos_sin)
+
+        out = x.new_empty(N, self.H, self.v)
+        for i in range(batch.num_seqs):
+            rows, ctx = batch.rows(i), batch.context_lens[i]
+            n_q = rows.stop - rows.start
+            if batch.cache is not None:
+                handle = batch.handle(i)
+                batch.cache.write_mla(self.layer, handle, ctx, latent_rows[rows], None if ik is None else ik[rows])
+                latent, keys = batch.cache.read_mla(self.layer, handle, ctx + n_q)
+            else:
+                latent, keys = latent_rows[rows], None if ik is None else ik[rows]
+            S = latent.shape[0]
+            pos = batch.positions[rows]
+            allowed = torch.arange(S, device=x.device).unsqueeze(0) <= pos.unsqueeze(1)
+            if self.indexer is not None and S > self.config.index_topk:
+                scores = indexer_scores_ref(iq[rows], keys, iw[rows])
+                allowed = selection_mask(select_topk(scores, pos, self.config.index_topk), S)
+            # The absorbed form reads the latent directly (decode); expanded keys are cheaper for prefill chunks.
+            attend = mla_attention_absorbed if (batch.cache is not None and n_q == 1) else mla_attention_ref
+            out[rows] = attend(q_nope[rows], q_pe[rows], latent[:, :self.r], latent[:, self.r:],
+                               self.kv_b_proj.weight, self.v, self.scale, allowed)
+        o = out.reshape(N, self.H * self.v)
+        if self.config.mla_use_output_gate:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.o_proj(o)

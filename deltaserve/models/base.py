@@ -1,0 +1,103 @@
+"""Decoder layers and the causal LM shared by every family: plain pre-norm residual (Kimi-Linear, DeepSeek) or
+block AttnRes (K3, K3.1) — model.md §4, §5.3, §12."""
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.batch import StepBatch
+from ..layers.kda import KimiDeltaAttention
+from ..layers.linear import Linear
+from ..layers.mla import MLAttention
+from ..layers.mlp import MLP
+from ..layers.moe import MoE
+from ..layers.norm import RMSNorm
+from ..ops.attn_res import attn_res_mix
+
+
+class AttnResQuery(nn.Module):
+    """A pseudo-query `proj.weight [1, d]` and its key norm weight `norm.weight [d]` for one AttnRes mixture."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.proj = Linear(dim, 1)
+        self.norm = RMSNorm(dim, eps)
+        self.eps = eps
+
+    def mix(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        return attn_res_mix(sources, self.proj.weight[0], self.norm.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, attn_res: bool = True):
+        super().__init__()
+        self.config, self.layer = config, layer
+        d, eps = config.hidden_size, config.rms_norm_eps
+        kind = config.attn_kind(layer)
+        self.self_attn = KimiDeltaAttention(config, layer) if kind == "kda" else MLAttention(config, layer, kind == "dsa")
+        self.ffn = MoE(config) if config.ffn_kind(layer) == "moe" else MLP(config, d, config.intermediate_size)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.attn_res = attn_res and config.attn_res_block_size is not None
+        if self.attn_res:
+            self.self_attention_res = AttnResQuery(d, eps)
+            self.mlp_res = AttnResQuery(d, eps)
+
+    def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Ordinary pre-norm residual block."""
+        h = h + self.self_attn(self.input_layernorm(h), batch)
+        return h + self.ffn(self.post_attention_layernorm(h))
+
+    def forward_attn_res(self, p: torch.Tensor, bank: list[torch.Tensor], batch: StepBatch) -> torch.Tensor:
+        """One layer of model.md §5.3. `p` is the current block's partial sum; `bank` is extended in place on a
+        block-write layer. Returns the next partial sum."""
+        x = self.self_attention_res.mix(bank + [p]) if bank else p
+        write = self.config.attnres_write(self.layer)
+        if write:
+            bank.append(p)
+        a = self.self_attn(self.input_layernorm(x), batch)
+        p = a if write else p + a
+        y = self.mlp_res.mix(bank + [p])
+        return p + self.ffn(self.post_attention_layernorm(y))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder stack, final norm and LM head; MTP layers are loaded beside it (`mtp`)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        from .mtp import MTPLayer  # local: mtp builds DecoderLayer from this module
+
+        self.config = config
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(DecoderLayer(config, l) for l in range(config.num_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.lm_head = Linear(d, config.vocab_size)
+        if config.attn_res_block_size is not None:
+            self.output_attn_res = AttnResQuery(d, config.rms_norm_eps)
+        self.mtp = nn.ModuleList(MTPLayer(config, config.num_layers + j)
+                                 for j in range(config.num_nextn_predict_layers))
+        self.mtp_available = config.num_nextn_predict_layers > 0
+
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Pre-norm final hidden state h [N, d] of the flattened tokens (what MTP and drafters consume)."""
+        h = self.embed_tokens(input_ids)
+        if self.config.attn_res_block_size is None:
+            for layer in self.layers:
+                h = layer(h, batch)
+            return h
+        bank: list[torch.Tensor] = []
+        for layer in self.layers:
+            h = layer.forward_attn_res(h, bank, batch)
+        return self.output_attn_res.mix(bank + [h])
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from pre-norm hidden states."""
+        return self.lm_head(self.norm(h)).float()
+
+    @torch.no_grad()
+    def reference_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain full-sequence forward of one sequence, no cache: LongTensor [T] -> float logits [T, vocab]."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+        return self.compute_logits(self(ids, StepBatch.single(ids.shape[0], device=ids.device)))

@@ -1,0 +1,42 @@
+"""MTP (next-token prediction) layer weights (model.md §13). Loaded with the model; drafting uses it later."""
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.batch import StepBatch
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from .base import DecoderLayer
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = Linear(config.hidden_size, config.vocab_size)
+
+
+class MTPLayer(nn.Module):
+    """Layer index L + j: enorm/hnorm, eh_proj over [embedding ; hidden], an ordinary-residual MLA + FFN block
+    (never AttnRes) and its own norm + head."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        d = config.hidden_size
+        self.layer = layer
+        self.enorm = RMSNorm(d, config.rms_norm_eps)
+        self.hnorm = RMSNorm(d, config.rms_norm_eps)
+        self.eh_proj = Linear(2 * d, d)
+        self.block = DecoderLayer(config, layer, attn_res=False)
+        self.shared_head = SharedHead(config)
+
+    def forward(self, embeds: torch.Tensor, h_prev: torch.Tensor, positions: torch.Tensor,
+                batch: StepBatch) -> torch.Tensor:
+        """Pre-norm MTP output h_next [N, d]; the embedding is zeroed at position 0 before its norm."""
+        e = embeds.masked_fill((positions == 0).unsqueeze(-1), 0)
+        u = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h_prev)], dim=-1))
+        return self.block(u, batch)
+
+    def logits(self, h_next: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(h_next)).float()

@@ -1,0 +1,37 @@
+"""AttnRes mixing over depth (model.md §5.2).
+
+`attn_res_mix_ref` is the readable formula; `attn_res_mix` computes the same with one einsum over all sources.
+"""
+
+import torch
+
+
+def attn_res_mix_ref(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    """Mix `sources` (each [N, d], model dtype) with softmax weights over depth.
+
+    s_i = rsqrt(mean(V_i^2) + eps) * <V_i, norm_weight * query>, alpha = softmax_i(s), out = sum_i alpha_i V_i
+    (raw values are mixed, fp32 math, result rounded to the sources' dtype). One source returns it unchanged.
+    """
+    if len(sources) == 1:
+        return sources[0]
+    c = norm_weight.float() * query.float()
+    logits = []
+    for v in sources:
+        vf = v.float()
+        logits.append(torch.rsqrt(vf.pow(2).mean(-1) + eps) * (vf * c).sum(-1))
+    alpha = torch.softmax(torch.stack(logits, 0), dim=0)
+    out = sum(a.unsqueeze(-1) * v.float() for a, v in zip(alpha, sources))
+    return out.to(sources[0].dtype)
+
+
+def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Same contract as `attn_res_mix_ref`, computed on one stacked [n, N, d] tensor."""
+    if len(sources) == 1:
+        return sources[0]
+    v = torch.stack(sources, 0).float()
+    c = norm_weight.float() * query.float()
+    logits = torch.rsqrt(v.pow(2).mean(-1) + eps) * torch.einsum("snd,d->sn", v, c)
+    alpha = torch.softmax(logits, dim=0)
+    return torch.einsum("sn,snd->nd", alpha, v).to(sources[0].dtype)

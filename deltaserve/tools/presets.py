@@ -1,0 +1,200 @@
+"""Checkpoint presets for `deltaserve make-model`: config.json dicts in each family's real layout.
+
+Tiny and small presets are scale models of K3.1 Pro: KDA heads == MLA heads, MLA every 4th layer plus the last,
+expert and latent widths multiples of 32 (MXFP4 packing applies), every K3 config key present with a real value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    config: dict  # config.json as written
+    tokenizer_family: str  # for deltaserve.tools.tokenizer_files
+    num_bpe_ranks: int
+    dtype: str = "bfloat16"
+
+
+# compressed-tensors block of the released checkpoints: routed experts only, E2M1 + E8M0 per 32 (ops.md §8).
+MXFP4_EXPERTS_QUANT_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "config_groups": {"group_0": {"format": "mxfp4-pack-quantized",
+                                  "targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"],
+                                  "weights": {"num_bits": 4, "type": "float", "group_size": 32,
+                                              "strategy": "group", "scale_dtype": "torch.uint8"}}},
+}
+
+
+def _mla_every_4th(num_layers: int) -> list[int]:
+    """1-based MLA layers: every 4th, and always the last (as in every released Kimi hybrid)."""
+    return sorted({l for l in range(4, num_layers + 1, 4)} | {num_layers})
+
+
+def k3_text_config(*, hidden: int, layers: int, heads: int, head_dim: int, q_lora: int, kv_lora: int,
+                   nope: int, rope: int, v: int, dense_width: int, experts: int, top_k: int, shared: int,
+                   expert_width: int, latent: int, block: int, vocab: int, mtp: int, max_len: int,
+                   num_bpe: int) -> dict:
+    mla = _mla_every_4th(layers)
+    return {
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": head_dim,
+        "intermediate_size": dense_width,
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": max_len,
+        "model_max_length": max_len,
+        "tie_word_embeddings": False,
+        "q_lora_rank": q_lora,
+        "kv_lora_rank": kv_lora,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "num_experts": experts,
+        "num_experts_per_token": top_k,
+        "num_shared_experts": shared,
+        "moe_intermediate_size": expert_width,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": 1.0,
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": mtp,
+        "linear_attn_config": {
+            "kda_layers": [l for l in range(1, layers + 1) if l not in mla],
+            "full_attn_layers": mla,
+            "num_heads": heads,
+            "head_dim": head_dim,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0,
+        },
+        "attn_res_block_size": block,
+        "routed_expert_hidden_size": latent,
+        "latent_moe_use_norm": True,
+        "bos_token_id": num_bpe,  # [BOS]
+        "eos_token_id": num_bpe + 2,  # <|end_of_msg|>
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def k3_config(text: dict, *, indexer: dict | None, num_bpe: int) -> dict:
+    """Top-level kimi_k3 config; `indexer` = (heads, head_dim, topk) makes it K3.1 Pro."""
+    text = dict(text)
+    arch = "KimiK3ForConditionalGeneration"
+    if indexer is not None:
+        arch = "KimiK31ForConditionalGeneration"
+        text["dsa_config"] = {
+            "index_n_heads": indexer["heads"],
+            "index_head_dim": indexer["head_dim"],
+            "index_topk": indexer["topk"],
+            "dsa_layers": text["linear_attn_config"]["full_attn_layers"],
+        }
+    return {
+        "model_type": "kimi_k3",
+        "architectures": [arch],
+        "text_config": text,
+        "vision_config": {"model_type": "kimi_k3_vision", "text_hidden_size": text["hidden_size"]},
+        "media_placeholder_token_id": num_bpe + 21,  # <|media_pad|>
+        "image_placeholder": "<|kimi_image_placeholder|>",
+        "pad_token_id": 0,
+        "ignore_index": -100,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+_TINY = dict(hidden=64, layers=8, heads=4, head_dim=16, q_lora=32, kv_lora=32, nope=16, rope=8, v=16,
+             dense_width=96, experts=8, top_k=2, shared=2, expert_width=32, latent=32, block=3, mtp=1,
+             max_len=4096)
+_TINY_BPE = 768
+_SMALL = dict(hidden=1024, layers=16, heads=8, head_dim=128, q_lora=384, kv_lora=512, nope=128, rope=64, v=128,
+              dense_width=2048, experts=128, top_k=4, shared=1, expert_width=256, latent=512, block=4, mtp=1,
+              max_len=131072)
+_SMALL_BPE = 32000 - 256
+_PRO = dict(hidden=7168, layers=93, heads=96, head_dim=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128,
+            dense_width=33792, experts=896, top_k=16, shared=2, expert_width=3072, latent=3584, block=12, mtp=1,
+            max_len=1048576)
+_PRO_BPE = 163584
+
+
+def _kimi_linear_tiny() -> dict:
+    layers, num_bpe = 4, _TINY_BPE
+    return {
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": num_bpe + 256,
+        "hidden_size": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 96,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "model_max_length": 4096,
+        "tie_word_embeddings": False,
+        "q_lora_rank": None,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "mla_use_nope": True,
+        "num_experts": 8,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "moe_renormalize": True,
+        "routed_scaling_factor": 2.446,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 4, "head_dim": 16,
+                               "short_conv_kernel_size": 4},
+        "bos_token_id": num_bpe,
+        "eos_token_id": num_bpe + 2,  # <|im_end|>
+        "pad_token_id": num_bpe + 255,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _k3(dims: dict, num_bpe: int, indexer: dict | None, mxfp4: bool = False) -> dict:
+    text = k3_text_config(**dims, vocab=num_bpe + 256, num_bpe=num_bpe)
+    if mxfp4:
+        text["quantization_config"] = MXFP4_EXPERTS_QUANT_CONFIG
+    return k3_config(text, indexer=indexer, num_bpe=num_bpe)
+
+
+PRESETS: dict[str, Preset] = {
+    "k31-tiny": Preset("k31-tiny", _k3(_TINY, _TINY_BPE, {"heads": 8, "head_dim": 16, "topk": 16}), "kimi_k3",
+                       _TINY_BPE),
+    "k3-tiny": Preset("k3-tiny", _k3(_TINY, _TINY_BPE, None), "kimi_k3", _TINY_BPE),
+    "kimi-linear-tiny": Preset("kimi-linear-tiny", _kimi_linear_tiny(), "kimi_linear", _TINY_BPE),
+    "k31-small": Preset("k31-small", _k3(_SMALL, _SMALL_BPE, {"heads": 16, "head_dim": 64, "topk": 512}), "kimi_k3",
+                        _SMALL_BPE),
+    "k31-pro": Preset("k31-pro", _k3(_PRO, _PRO_BPE, {"heads": 32, "head_dim": 128, "topk": 2048}, mxfp4=True), "kimi_k3",
+                      _PRO_BPE),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return PRESETS[name]
