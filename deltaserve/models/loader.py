@@ -133,6 +133,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     if config.tie_word_embeddings and not any(t.param == "lm_head.weight" for ts in plan.values() for t in ts):
         model.lm_head.weight = model.embed_tokens.weight
     _cast(model, torch_dtype)
+    model.requires_grad_(False)
     model.eval()
     return model
 

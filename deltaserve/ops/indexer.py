@@ -28,6 +28,10 @@ def select_topk(scores: torch.Tensor, query_positions: torch.Tensor, topk: int) 
     # Order keys by position descending first, then a stable sort by score keeps that order among ties.
     s_rev = s.flip(-1)
     order = torch.sort(s_rev, dim=-1, descending=True, stable=True).indices
+    # NaN (now -inf) and future keys (-inf) tie; a last stable pass on validity keeps every causally valid key,
+    # NaN included, ahead of every future key (the position tie rule would otherwise rank future keys first).
+    valid_sorted = causal.flip(-1).gather(1, order)
+    order = order.gather(1, torch.sort(valid_sorted.to(torch.uint8), dim=-1, descending=True, stable=True).indices)
     picked = (S - 1 - order)[:, :topk]
     n_valid = causal.sum(-1).clamp(max=topk)
     slot = torch.arange(picked.shape[1], device=scores.device).unsqueeze(0)
