@@ -1,0 +1,24 @@
+# The two entry points for a newcomer: `make run` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test install clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# Runs the main job on the embedded default model (written once into the cache folder on first use).
+run: install
+	$(VENV)/bin/deltaserve generate --prompt "The capital of France is" --max-tokens 24
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info
