@@ -1,6 +1,8 @@
 """deltaserve: an inference and serving engine for the Kimi K3.1 Pro model family."""
 
 from .config import ModelConfig
+from .engine.llm import LLM
+from .engine.sampling_params import InvalidRequestError, SamplingParams
 from .errors import CheckpointError, ConfigError, DeltaserveError
 
 
@@ -18,4 +20,4 @@ def load_tokenizer(path):
     return _load(path)
 
 
-__all__ = ["ModelConfig", "ConfigError", "CheckpointError", "DeltaserveError", "load_model", "load_tokenizer"]
+__all__ = ["LLM", "SamplingParams", "InvalidRequestError", "ModelConfig", "ConfigError", "CheckpointError", "DeltaserveError", "load_model", "load_tokenizer"]

@@ -1,0 +1,117 @@
+"""PagePool: fixed-size pages of MLA latent rows and DSA indexer keys (serving.md §3.1).
+
+Every MLA/DSA layer owns a latent tensor [num_blocks, B, r + rho]; every DSA layer also owns an indexer-key tensor
+[num_blocks, B, D_I]. All of them are addressed by the same block ids: one block table per request.
+Blocks are reference-counted so several requests (n > 1, later the prefix cache) can share one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..config import ModelConfig
+
+
+class PagePool:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu"):
+        if num_blocks < 1:
+            raise ValueError("the page pool needs at least one block")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        self.latent = {l: torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
+                       for l in mla_cache_layers(config)}
+        self.index_keys = {l: torch.zeros(num_blocks, block_size, config.index_head_dim, dtype=dtype, device=device)
+                           for l in config.dsa_layers}
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        latent = len(mla_cache_layers(config)) * (config.kv_lora_rank + config.qk_rope_head_dim)
+        return itemsize * (latent + len(config.dsa_layers) * config.index_head_dim)
+
+    # ---- allocation ----
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` free blocks with one reference each. Caller checks `can_allocate` first."""
+        if not self.can_allocate(num_blocks):
+            raise RuntimeError(f"page pool exhausted: {num_blocks} blocks asked, {len(self._free)} free")
+        blocks = [self._free.popleft() for _ in range(num_blocks)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """Add one reference to each of `blocks` (another request now reads them)."""
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise RuntimeError(f"block {b} is free and cannot be shared")
+            self._refs[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference from each block; a block with none left returns to the free list."""
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise RuntimeError(f"block {b} freed twice")
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for t in (*self.latent.values(), *self.index_keys.values()):
+            t[dst].copy_(t[src])
+
+    # ---- rows ----
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat row indices (block * B + offset) of positions start..end-1 of a request."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def write(self, layer: int, rows: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        self.latent[layer].view(-1, latent.shape[-1])[rows] = latent.to(self.latent[layer].dtype)
+        if index_keys is not None:
+            store = self.index_keys[layer]
+            store.view(-1, store.shape[-1])[rows] = index_keys.to(store.dtype)
+
+    def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lat = self.latent[layer]
+        keys = self.index_keys.get(layer)
+        return (lat.view(-1, lat.shape[-1])[rows],
+                None if keys is None else keys.view(-1, keys.shape[-1])[rows])
+
+    # ---- integrity ----
+    def check_integrity(self, used_refs: dict[int, int] | None = None) -> None:
+        """free + used == total; no block both free and referenced; optionally refcounts equal `used_refs`
+        (block -> number of holders counted by the caller)."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("page pool: a block is on the free list twice")
+        used = {b for b, r in enumerate(self._refs) if r > 0}
+        if free & used:
+            raise AssertionError(f"page pool: blocks both free and referenced: {sorted(free & used)[:8]}")
+        if len(free) + len(used) != self.num_blocks:
+            raise AssertionError(f"page pool: free {len(free)} + used {len(used)} != total {self.num_blocks}")
+        if used_refs is not None:
+            want = {b: r for b, r in used_refs.items() if r}
+            got = {b: self._refs[b] for b in used}
+            if want != got:
+                raise AssertionError(f"page pool: refcounts {got} differ from holders {want}")
+
+
+def mla_cache_layers(config: ModelConfig) -> list[int]:
+    """Layers with a latent cache: the MLA/DSA layers of the main model (MTP layers join when drafting lands)."""
+    return config.mla_layers

@@ -1,0 +1,36 @@
+"""PagedCache: the engine's `ModelCache`, backed by a PagePool and StateSlots. A sequence handle carries the
+request's state slot and the flat page rows of its positions 0..end-1 for this step, computed once per step by the
+runner and shared by every MLA/DSA layer (they all use the same block ids)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..layers.batch import ModelCache
+from .page_pool import PagePool
+from .state_slots import StateSlots
+
+
+class SeqHandle(NamedTuple):
+    slot: int
+    rows: torch.Tensor  # [end] flat page-row index of each position of the sequence up to this step's last token
+
+
+class PagedCache(ModelCache):
+    def __init__(self, pages: PagePool, states: StateSlots):
+        self.pages, self.states = pages, states
+
+    def handle(self, block_table: list[int], slot: int, end: int) -> SeqHandle:
+        return SeqHandle(slot, self.pages.slots(block_table, 0, end))
+
+    def kda_state(self, layer: int, handle: SeqHandle) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.states.state(layer, handle.slot)
+
+    def write_mla(self, layer: int, handle: SeqHandle, start: int, latent: torch.Tensor,
+                  index_keys: torch.Tensor | None) -> None:
+        self.pages.write(layer, handle.rows[start:start + latent.shape[0]], latent, index_keys)
+
+    def read_mla(self, layer: int, handle: SeqHandle, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.pages.read(layer, handle.rows[:length])

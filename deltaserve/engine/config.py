@@ -1,0 +1,61 @@
+"""Engine configuration: the one place engine settings are defined (vLLM's names where the meaning is the same)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+
+from ..errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4GiB', '512MiB', '2e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"kv_cache_memory: cannot parse {text!r} (use bytes or e.g. 4GiB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # checkpoint folder; None = the embedded default model
+    dtype: str = "float32"
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 64
+    kv_cache_memory: str | int = "2GiB"
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = EngineArgs()
+        parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        parser.add_argument("--block-size", type=int, default=d.block_size)
+        parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                            help="bytes for the page pool and KDA state slots, e.g. 4GiB")
+        parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+        parser.add_argument("--seed", type=int, default=d.seed)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, model: str | None) -> "EngineArgs":
+        names = {f.name for f in fields(cls)} - {"model"}
+        return cls(model=model, **{n: getattr(args, n) for n in names if hasattr(args, n)})

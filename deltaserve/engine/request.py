@@ -1,0 +1,66 @@
+"""Request: the one object the scheduler, the caches and the runner all speak (nano-vllm's `Sequence`)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence being generated. Invariant: 0 <= num_computed_tokens <= num_tokens; every computed token has a
+    page row in `block_ids`; a RUNNING request holds exactly one state slot."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against max_model_len
+    sampling: Any  # sampler.SamplingState: generator, penalty counts, min_tokens masking
+    index: int = 0  # which of the n completions of its prompt
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stop_checker: Any = None  # detokenizer.StopChecker: the completion's text and stop strings
+    siblings_pending: int = 0  # n - 1 completions still to fork from this request once its prompt is computed
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    def token_at(self, pos: int) -> int:
+        return self.prompt_ids[pos] if pos < len(self.prompt_ids) else self.output_ids[pos - len(self.prompt_ids)]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,140 @@
+"""SamplingParams: the per-request generation settings, with vLLM's names and defaults.
+
+Every value is validated in `__post_init__`; a bad one raises `InvalidRequestError`, whose message
+names the field and whose `.field` attribute holds that name, so an API server can map the error
+to a 400 response that points at the offending parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import DeltaserveError
+
+# vLLM's default max_logprobs: asking for more alternatives than this is a request error.
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(DeltaserveError, ValueError):
+    """A request parameter is out of range or of the wrong type.
+
+    `field` is the parameter's name (e.g. "temperature"); the message always contains it.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but `max_tokens=True` is a caller bug, not a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and not math.isnan(value)
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(name, message)
+
+
+@dataclass
+class SamplingParams:
+    """Settings for generating one request's completion(s).
+
+    Defaults match vLLM. `top_k` of 0 or -1 disables top-k (stored as 0); `max_tokens=None` means
+    "until max_model_len", which the engine resolves; `stop` may be given as a single string and
+    is stored as a list; `logprobs=N` reports the sampled token's logprob plus the top N
+    alternatives (0 = only the sampled token, None = no logprobs).
+
+    Raises `InvalidRequestError` (with `.field`) on construction when a value is invalid.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._normalise()
+        self._validate()
+
+    def _normalise(self) -> None:
+        # Accept the spellings vLLM accepts: a bare stop string, None lists, and top_k=-1 for "off".
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            _require(isinstance(self.stop, (list, tuple)), "stop",
+                     f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            _require(isinstance(self.stop_token_ids, (list, tuple, set)), "stop_token_ids",
+                     f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _validate(self) -> None:
+        # Checks are written as `not (x >= lo)` where NaN must fail too.
+        _require(_is_int(self.n) and self.n >= 1, "n", f"n must be an int >= 1, got {self.n!r}")
+        _require(_is_real(self.temperature) and self.temperature >= 0, "temperature",
+                 f"temperature must be >= 0, got {self.temperature!r}")
+        _require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p",
+                 f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+                 f"top_k must be an int >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        _require(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+                 f"min_p must be in [0, 1], got {self.min_p!r}")
+        _require(self.seed is None or _is_int(self.seed), "seed",
+                 f"seed must be an int or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_real(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")
+        _require(_is_real(self.repetition_penalty) and self.repetition_penalty > 0
+                 and math.isfinite(self.repetition_penalty), "repetition_penalty",
+                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+                 f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
+        _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+                 f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        for stop in self.stop:
+            _require(isinstance(stop, str), "stop", f"stop entries must be strings, got {stop!r}")
+            _require(stop != "", "stop", "stop must not contain an empty string")
+        for tid in self.stop_token_ids:
+            _require(_is_int(tid) and tid >= 0, "stop_token_ids",
+                     f"stop_token_ids must be non-negative ints, got {tid!r}")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                 "logprobs", f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax: temperature 0, or top_k 1."""
+        return self.temperature == 0 or self.top_k == 1
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: mutating the clone's lists never affects this object."""
+        return copy.deepcopy(self)
