@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from . import envs
+from .engine.config import EngineArgs
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -33,13 +34,26 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .default_model import default_model_path
-    from .simple_generate import greedy_generate
+    from .engine.config import EngineArgs
+    from .engine.llm_engine import LLMEngine
+    from .engine.sampling_params import SamplingParams
 
-    path = Path(args.model) if args.model else default_model_path()
-    for text in greedy_generate(path, args.prompt, args.max_tokens, dtype=args.dtype):
-        print(text, end="", flush=True)
+    engine = LLMEngine(EngineArgs.from_cli(args, args.model))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.sampling_seed, stop=args.stop or [])
+    engine.add_request("cli", args.prompt, params)
+    print(args.prompt, end="", flush=True)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            print(out.outputs[0].delta_text, end="", flush=True)
     print()
+    return 0
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from .tools.bench import run_throughput
+
+    print(run_throughput(args))
     return 0
 
 
@@ -62,8 +76,23 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("model", nargs="?", help="checkpoint folder (default: the embedded default model)")
     gen.add_argument("--prompt", default="The quick brown fox")
     gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks that print numbers")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput of the engine")
+    tp.add_argument("--model", default=None)
+    tp.add_argument("--num-prompts", type=int, default=8)
+    tp.add_argument("--input-len", type=int, default=128)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--runs", type=int, default=1)
+    EngineArgs.add_cli_args(tp)
+    tp.set_defaults(func=_bench_throughput)
 
     args = parser.parse_args(argv)
     return args.func(args)

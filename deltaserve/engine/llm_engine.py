@@ -178,7 +178,8 @@ class LLMEngine:
             cum = sum(lp.logprob for lp in req.logprobs) if req.logprobs else None
             outs.append(CompletionOutput(req.index, req.stop_checker.text, list(req.output_ids), cum,
                                          list(req.logprobs) if req.params.logprobs is not None else None,
-                                         req.finish_reason, req.stop_reason))
+                                         req.finish_reason, req.stop_reason,
+                                         req.stop_checker.delta(req.is_finished)))
         finished = len(group.requests) == group.params.n and all(r.is_finished for r in group.requests)
         if finished:
             del self._groups[request_id]

@@ -15,6 +15,7 @@ class CompletionOutput:
     logprobs: list[Any] | None  # per token: TokenLogprobs (sampled token + top-N alternatives), when asked for
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    delta_text: str = ""  # text new since the previous output of this completion (for streaming)
 
     @property
     def finished(self) -> bool:
