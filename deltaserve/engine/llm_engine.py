@@ -35,8 +35,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         config = self.model.config
         self.config = config
-        self.max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.pages, self.states = _size_pools(config, args, DTYPES[args.dtype])
+        self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)
         self.scheduler = Scheduler(self.pages, self.states, min(args.max_num_seqs, self.states.num_slots),
                                    args.max_num_batched_tokens, args.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states))
@@ -156,7 +156,12 @@ class LLMEngine:
             req.logprobs.append(logprob)
         p = req.params
         past_min = len(req.output_ids) >= p.min_tokens
-        stop_str = req.stop_checker.append(token, check_stops=past_min)
+        stop_token = past_min and ((not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids)
+        # vLLM: an eos / stop_token_ids token ends the completion without its own text (unless
+        # include_stop_str_in_output); its id stays in token_ids.
+        stop_str = None
+        if not stop_token or p.include_stop_str_in_output:
+            stop_str = req.stop_checker.append(token, check_stops=past_min)
         status = None
         if stop_str is not None:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
@@ -195,6 +200,24 @@ class _Group:
     def __init__(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams):
         self.prompt, self.prompt_ids, self.params = prompt, prompt_ids, params
         self.requests: list[Request] = []
+
+
+def _resolve_max_model_len(args: EngineArgs, config, pool_tokens: int) -> int:
+    """An explicit --max-model-len must fit the checkpoint and one sequence must fit the page pool; the default
+    (the checkpoint's max_position_embeddings) is lowered to what the pool holds, with a warning."""
+    limit = config.max_position_embeddings
+    if args.max_model_len is not None:
+        if args.max_model_len > limit:
+            raise ConfigError(f"max_model_len {args.max_model_len} exceeds the checkpoint's max_position_embeddings "
+                              f"{limit}")
+        if args.max_model_len > pool_tokens:
+            raise ConfigError(f"max_model_len {args.max_model_len} does not fit the page pool ({pool_tokens} tokens "
+                              f"with kv_cache_memory={args.kv_cache_memory}); raise kv_cache_memory or lower "
+                              f"max_model_len")
+        return args.max_model_len
+    if limit > pool_tokens:
+        log.warning("max_model_len lowered from %d to %d tokens, what the page pool holds", limit, pool_tokens)
+    return min(limit, pool_tokens)
 
 
 def _size_pools(config, args: EngineArgs, dtype: torch.dtype) -> tuple[PagePool, StateSlots]:
