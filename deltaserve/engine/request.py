@@ -43,7 +43,6 @@ class Request:
     state_slot: int | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    stop_checker: Any = None  # detokenizer.StopChecker: the completion's text and stop strings
     siblings_pending: int = 0  # n - 1 completions still to fork from this request once its prompt is computed
     num_preemptions: int = 0
 

@@ -1,0 +1,239 @@
+"""EngineCore: the model, the paged caches, the scheduler, the runner and the sampler, stepping over token ids.
+
+It knows nothing about text: it stops a completion on eos / stop token ids / length and reports one CoreOutput per
+new token; stop strings are found by the OutputProcessor, which then aborts that completion here. The core runs
+in-process for the offline LLM and in its own process behind the server.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..cache.page_pool import PagePool
+from ..cache.paged_cache import PagedCache
+from ..cache.state_slots import StateSlots
+from ..errors import ConfigError
+from ..models.loader import DTYPES, load_model
+from ..tokenizer import load_tokenizer
+from .config import EngineArgs
+from .request import Request, RequestStatus
+from .runner import ModelRunner
+from .sampler import Sampler, SamplingState, TokenLogprobs
+from .sampling_params import InvalidRequestError, SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CoreOutput:
+    """One new token of one completion (`index` among the request's n)."""
+
+    request_id: str
+    index: int
+    token_id: int
+    logprob: TokenLogprobs | None
+    finish_reason: str | None  # "stop" (eos / stop token id), "length", or None while running
+    stop_reason: int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, model_path: Path):
+        self.args = args
+        self.model = load_model(model_path, dtype=args.dtype)
+        config = self.config = self.model.config
+        self.pages, self.states = _size_pools(config, args, DTYPES[args.dtype])
+        self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)
+        self.scheduler = Scheduler(self.pages, self.states, min(args.max_num_seqs, self.states.num_slots),
+                                   args.max_num_batched_tokens, args.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states))
+        self.sampler = Sampler(seed=args.seed)
+        self.eos_ids = set(load_tokenizer(model_path).stop_token_ids(config.eos_token_ids))
+        self._requests: dict[str, list[Request]] = {}
+        self._n: dict[str, tuple[SamplingParams, int]] = {}
+
+    # ---- requests ----
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Validate token ids against the model and queue. Raises InvalidRequestError; nothing is allocated then."""
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequestError("prompt", f"token id {bad[0]} is outside the vocabulary "
+                                                f"[0, {self.config.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"the prompt has {len(prompt_ids)} tokens; max_model_len is "
+                                                f"{self.max_model_len} (at least one token must be generated)")
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        first = self._new_request(request_id, list(prompt_ids), params, max_tokens, 0)
+        first.siblings_pending = params.n - 1
+        self._requests[request_id] = [first]
+        self._n[request_id] = (params, max_tokens)
+        self.scheduler.add(first)
+
+    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
+                     index: int) -> Request:
+        if index and params.seed is not None:
+            params = params.clone()
+            params.seed = params.seed + index  # each of the n samples draws its own stream
+        req = Request(request_id, ids, params, max_tokens, sampling=None, index=index)
+        req.sampling = SamplingState(params, req.prompt_ids, req.output_ids, self.eos_ids)
+        return req
+
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+        """Finish the request (or one completion of it) and free everything it holds. Unknown ids are ignored."""
+        for req in list(self._requests.get(request_id, [])):
+            if index is not None and req.index != index:
+                continue
+            if not req.is_finished:
+                status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_ABORTED
+                self.scheduler.finish(req, status)
+                req.finish_reason = reason
+            if index is None:
+                req.siblings_pending = 0
+            else:
+                self._spawn_unforked(req)  # siblings not forked yet still need the prompt: they compute it
+        self._forget_if_done(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- one step ----
+    def step(self) -> list[CoreOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("cannot schedule any request: the page pool is too small for the next chunk")
+            return []
+        fwd = self.runner.forward(plan)
+        for req, n in plan.chunks:
+            req.num_computed_tokens += n
+        rows, reqs = self._fork_siblings(fwd.sampled)
+        sample = self.sampler.sample(fwd.logits[rows], [r.sampling for r in reqs])
+        outputs = [self._append_token(r, t, lp) for r, t, lp in zip(reqs, sample.token_ids, sample.logprobs)]
+        for rid in {o.request_id for o in outputs if o.finish_reason}:
+            self._forget_if_done(rid)
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprob: TokenLogprobs | None) -> CoreOutput:
+        req.output_ids.append(token)
+        p = req.params
+        past_min = len(req.output_ids) >= p.min_tokens
+        status, stop_reason = None, None
+        if past_min and not p.ignore_eos and token in self.eos_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif past_min and token in p.stop_token_ids:
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(req, status)
+            req.finish_reason = status.value
+        return CoreOutput(req.request_id, req.index, token, logprob, req.finish_reason, stop_reason, req.prompt_len)
+
+    def _fork_siblings(self, sampled: list[Request]) -> tuple[list[int], list[Request]]:
+        """n > 1: once a prompt is computed, the other n - 1 samples share its pages and copy its KDA state, and all
+        draw their first token from the same logits row."""
+        rows, reqs = [], []
+        for row, req in enumerate(sampled):
+            rows.append(row)
+            reqs.append(req)
+            while req.siblings_pending:
+                child = self._next_sibling(req)
+                if self._share_prefix(req, child):
+                    rows.append(row)
+                    reqs.append(child)
+                else:
+                    self.scheduler.add(child)  # no room to fork now: it computes the prompt itself later
+        return rows, reqs
+
+    def _next_sibling(self, req: Request) -> Request:
+        params, max_tokens = self._n[req.request_id]
+        req.siblings_pending -= 1
+        child = self._new_request(req.request_id, req.prompt_ids, params, max_tokens,
+                                  params.n - 1 - req.siblings_pending)
+        self._requests[req.request_id].append(child)
+        return child
+
+    def _spawn_unforked(self, req: Request) -> None:
+        while req.siblings_pending:
+            self.scheduler.add(self._next_sibling(req))
+
+    def _share_prefix(self, parent: Request, child: Request) -> bool:
+        pages, states = self.pages, self.states
+        partial = parent.num_computed_tokens % pages.block_size != 0
+        if len(self.scheduler.running) >= self.scheduler.max_num_seqs or not states.can_allocate() \
+                or not pages.can_allocate(int(partial)):
+            return False
+        child.state_slot = states.allocate()
+        states.copy(parent.state_slot, child.state_slot)
+        full = parent.block_ids[:-1] if partial else list(parent.block_ids)
+        pages.share(full)
+        child.block_ids = full
+        if partial:  # the last page is still being written: copy it so both can append
+            (block,) = pages.allocate(1)
+            pages.copy_block(parent.block_ids[-1], block)
+            child.block_ids = full + [block]
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.scheduler.running.append(child)
+        return True
+
+    def _forget_if_done(self, request_id: str) -> None:
+        reqs = self._requests.get(request_id)
+        if reqs is not None and all(r.is_finished and not r.siblings_pending for r in reqs):
+            del self._requests[request_id]
+            del self._n[request_id]
+
+    # ---- introspection ----
+    def stats(self) -> dict:
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": 1 - self.pages.num_free / self.pages.num_blocks,
+                "state_slot_usage": 1 - self.states.num_free / self.states.num_slots,
+                "num_preemptions": self.scheduler.num_preemptions}
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+def _resolve_max_model_len(args: EngineArgs, config, pool_tokens: int) -> int:
+    """An explicit --max-model-len must fit the checkpoint and one sequence must fit the page pool; the default
+    (the checkpoint's max_position_embeddings) is lowered to what the pool holds, with a warning."""
+    limit = config.max_position_embeddings
+    if args.max_model_len is not None:
+        if args.max_model_len > limit:
+            raise ConfigError(f"max_model_len {args.max_model_len} exceeds the checkpoint's max_position_embeddings "
+                              f"{limit}")
+        if args.max_model_len > pool_tokens:
+            raise ConfigError(f"max_model_len {args.max_model_len} does not fit the page pool ({pool_tokens} tokens "
+                              f"with kv_cache_memory={args.kv_cache_memory}); raise kv_cache_memory or lower "
+                              f"max_model_len")
+        return args.max_model_len
+    if limit > pool_tokens:
+        log.warning("max_model_len lowered from %d to %d tokens, what the page pool holds", limit, pool_tokens)
+    return min(limit, pool_tokens)
+
+
+def _size_pools(config, args: EngineArgs, dtype: torch.dtype) -> tuple[PagePool, StateSlots]:
+    """Give KDA state slots for max_num_seqs first (bounded by the budget), the rest to pages."""
+    budget = args.kv_cache_memory_bytes
+    slot_bytes = StateSlots.bytes_per_slot(config)
+    block_bytes = PagePool.bytes_per_token(config, dtype) * args.block_size
+    num_slots = args.max_num_seqs if slot_bytes == 0 else min(args.max_num_seqs, budget // slot_bytes)
+    num_blocks = (budget - num_slots * slot_bytes) // max(block_bytes, 1)
+    if num_slots < 1 or num_blocks < 1:
+        raise ConfigError(f"kv_cache_memory of {budget} bytes is too small: one KDA state slot needs {slot_bytes} "
+                          f"bytes and one page of {args.block_size} tokens needs {block_bytes} bytes")
+    log.info("cache: %d KDA state slots (%d B each), %d pages of %d tokens = %d tokens (%d B per token)",
+             num_slots, slot_bytes, num_blocks, args.block_size, num_blocks * args.block_size,
+             block_bytes // args.block_size)
+    return PagePool(config, num_blocks, args.block_size, dtype), StateSlots(config, num_slots)
