@@ -1,5 +1,7 @@
 """deltaserve: an inference and serving engine for the Kimi K3.1 Pro model family."""
 
+__version__ = "0.1.0"
+
 from .config import ModelConfig
 from .engine.llm import LLM
 from .engine.sampling_params import InvalidRequestError, SamplingParams

@@ -50,6 +50,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .server.serve import run_server
+
+    return run_server(args)
+
+
 def _bench_throughput(args: argparse.Namespace) -> int:
     from .tools.bench import run_throughput
 
@@ -82,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="the OpenAI-compatible server")
+    from .server.serve import add_cli_args as add_serve_args
+
+    add_serve_args(srv)
+    srv.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks that print numbers")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

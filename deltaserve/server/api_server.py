@@ -1,0 +1,155 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, auth, limits and error bodies. The engine runs in its own
+process behind `EngineClient`; tokenising, chat rendering, detokenising and output parsing happen here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..chat import ChatError
+from ..engine.sampling_params import InvalidRequestError
+from .engine_client import EngineClient, EngineDeadError
+from .handlers import ServerState, chat_completion, completion
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
+                       TokenizeRequest, error_body, validation_error_body)
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None, headers: dict | None = None):
+    return JSONResponse(error_body(message, type_, param, status), status_code=status, headers=headers)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.engine.start()
+        state.engine.on_outputs = state.metrics_hook
+        yield
+        await state.engine.shutdown()
+
+    app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
+    app.state.server = state
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """API key on every endpoint but /health; request-size cap before the body is parsed."""
+        if state.api_key and request.url.path != "/health":
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {state.api_key}":
+                return _error(401, "invalid or missing API key", "AuthenticationError")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.max_request_bytes:
+            return _error(413, f"request body of {length} bytes exceeds the limit of {state.max_request_bytes}",
+                          "RequestTooLargeError")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_request: Request, exc: RequestValidationError):
+        status, body = validation_error_body(exc)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "BadRequestError")
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_request: Request, exc: APIError):
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid(_request: Request, exc: InvalidRequestError):
+        return _error(400, str(exc), "BadRequestError", exc.field)
+
+    @app.exception_handler(ChatError)
+    async def on_chat(_request: Request, exc: ChatError):
+        return _error(400, str(exc), "BadRequestError", "messages")
+
+    @app.exception_handler(EngineDeadError)
+    async def on_dead(_request: Request, exc: EngineDeadError):
+        return _error(503, str(exc), "ServiceUnavailableError")
+
+    def admit(model: str | None) -> None:
+        if model is not None and model not in state.served_names:
+            raise APIError(404, f"the model {model!r} does not exist", "NotFoundError", "model")
+        if not state.engine.healthy:
+            raise APIError(503, "the engine is not running", "ServiceUnavailableError")
+        if state.engine.num_in_flight >= state.max_queue_len:
+            raise APIError(503, f"the server is at its queue limit of {state.max_queue_len} requests",
+                           "ServiceUnavailableError", headers={"Retry-After": "1"})
+
+    @app.get("/health")
+    async def health():
+        if not state.engine.healthy:
+            return _error(503, "the engine is not running", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        cards = [ModelCard(id=name, created=state.created, owned_by="deltaserve", root=str(state.model_path),
+                           max_model_len=state.engine.max_model_len) for name in state.served_names]
+        return ModelList(data=cards)
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.observe_engine_stats(state.engine.stats)
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/debug/integrity")
+    async def integrity():
+        """Pool integrity and occupancy, checked inside the engine process (tests, operators)."""
+        result = await state.engine.probe()
+        return {"ok": result.integrity_error is None, "error": result.integrity_error, "stats": result.stats,
+                **result.extra}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        ids = state.prompt_ids_for_tokenize(req)
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        bad = [t for t in req.tokens if not 0 <= t < state.tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", "BadRequestError", "tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        admit(req.model)
+        return await completion(state, req, raw, f"cmpl-{uuid.uuid4().hex}")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        admit(req.model)
+        return await chat_completion(state, req, raw, f"chatcmpl-{uuid.uuid4().hex}")
+
+    return app
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def unix_time() -> int:
+    return int(time.time())

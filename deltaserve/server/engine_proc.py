@@ -1,0 +1,83 @@
+"""The engine-core process: owns the model and runs the step loop, talking to the API process over ZeroMQ.
+
+It drains incoming messages between steps (blocking only while idle), so requests keep arriving and aborts take
+effect while others stream. A request the core rejects is answered with AddFailed; nothing is allocated for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import zmq
+
+from ..engine.config import EngineArgs
+from ..engine.core import EngineCore
+from ..engine.sampling_params import InvalidRequestError
+from .messages import (AbortRequest, AddFailed, AddRequest, Probe, ProbeResult, Ready, Shutdown, StepOutputs, decode,
+                       encode, output_to_dict, params_from_dict)
+
+log = logging.getLogger(__name__)
+_IDLE_POLL_MS = 100
+
+
+def run_engine_core(args: dict, model_path: str, in_addr: str, out_addr: str, log_level: str = "WARNING") -> None:
+    """Process entry point (spawned). Exits when told to, or when the API process goes away."""
+    logging.basicConfig(level=log_level, format="%(levelname)s engine-core: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when the core stops
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(in_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(out_addr)
+    parent = os.getppid()
+    try:
+        core = EngineCore(EngineArgs(**args), Path(model_path))
+        outbox.send(encode(Ready(core.max_model_len, core.config.vocab_size, sorted(core.eos_ids), os.getpid())))
+        _loop(core, inbox, outbox, parent)
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
+        ctx.term()
+
+
+def _loop(core: EngineCore, inbox, outbox, parent: int) -> None:
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while True:
+        timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_MS
+        while dict(poller.poll(timeout)).get(inbox):
+            msg = decode(inbox.recv())
+            if isinstance(msg, Shutdown):
+                return
+            _handle(core, msg, outbox)
+            timeout = 0
+        if os.getppid() != parent:
+            log.warning("API process is gone; stopping")
+            return
+        if core.has_unfinished_requests():
+            outputs = core.step()
+            outbox.send(encode(StepOutputs([output_to_dict(o) for o in outputs], core.stats())))
+
+
+def _handle(core: EngineCore, msg, outbox) -> None:
+    if isinstance(msg, AddRequest):
+        try:
+            core.add_request(msg.request_id, msg.prompt_ids, params_from_dict(msg.params))
+        except InvalidRequestError as e:
+            outbox.send(encode(AddFailed(msg.request_id, e.field, str(e))))
+        except (TypeError, ValueError) as e:
+            outbox.send(encode(AddFailed(msg.request_id, "request", str(e))))
+    elif isinstance(msg, AbortRequest):
+        core.abort(msg.request_id, msg.index, msg.reason)
+    elif isinstance(msg, Probe):
+        try:
+            core.check_integrity()
+            err = None
+        except AssertionError as e:
+            err = str(e)
+        extra = {"free_pages": core.pages.num_free, "total_pages": core.pages.num_blocks,
+                 "free_slots": core.states.num_free, "total_slots": core.states.num_slots}
+        outbox.send(encode(ProbeResult(msg.probe_id, core.stats(), err, extra)))

@@ -1,0 +1,334 @@
+"""Completions and chat completions: prompt preparation, streaming (SSE) and non-streaming responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..chat import render_chat
+from ..config import ModelConfig
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import InvalidRequestError, SamplingParams
+from ..tokenizer import Tokenizer
+from .engine_client import EngineClient, EngineDeadError
+from .metrics import Metrics
+from .parsers import parser_for
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    tokenizer: Tokenizer
+    config: ModelConfig
+    model_path: Path
+    served_names: list[str]
+    metrics: Metrics
+    api_key: str | None = None
+    max_queue_len: int = 256
+    max_request_bytes: int = 16 << 20
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
+        if not ids:
+            raise InvalidRequestError(param, "the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise InvalidRequestError(param, f"token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})")
+        if len(ids) >= self.engine.max_model_len:
+            raise InvalidRequestError(param, f"this model's maximum context length is {self.engine.max_model_len} "
+                                             f"tokens, but the prompt has {len(ids)} tokens (at least one token "
+                                             f"must be generated)")
+
+    def render(self, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+        thinking, effort = req.thinking_settings()
+        ids = render_chat(self.tokenizer, self.config, req.messages, add_generation_prompt=req.add_generation_prompt,
+                          thinking=thinking, tools=req.tool_dicts(), tool_choice=req.tool_choice_value(),
+                          response_format=req.response_format_dict(), thinking_effort=effort)
+        return ids, thinking
+
+    def prompt_ids_for_tokenize(self, req) -> list[int]:
+        if getattr(req, "messages", None):
+            return render_chat(self.tokenizer, self.config, req.messages,
+                               add_generation_prompt=getattr(req, "add_generation_prompt", True))
+        return self.tokenizer.encode(req.prompt or "", allow_special=bool(getattr(req, "add_special_tokens", False)))
+
+    def metrics_hook(self, outputs, stats) -> None:
+        self.metrics.observe_engine_stats(stats)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _tracked(state: ServerState, request_id: str, prompt: str | None, ids: list[int],
+                   params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    """Engine outputs with latency metrics recorded along the way."""
+    start = last = time.monotonic()
+    first = True
+    final = None
+    async for out in state.engine.generate(request_id, prompt, ids, params):
+        now = time.monotonic()
+        if first:
+            state.metrics.on_first_token(now - start)
+            first = False
+        else:
+            state.metrics.on_token(now - last)
+        last = now
+        final = out
+        yield out
+    if final is not None:
+        reasons = {c.finish_reason for c in final.outputs}
+        state.metrics.on_finish(next(iter(reasons)) if len(reasons) == 1 else "stop", time.monotonic() - start,
+                                len(ids), final.num_cached_tokens, sum(len(c.token_ids) for c in final.outputs))
+
+
+async def _collect(stream: AsyncIterator[RequestOutput], raw: Request) -> RequestOutput:
+    """The final output of a non-streamed request; a client that disconnects meanwhile aborts it."""
+    async def last():
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    task = asyncio.create_task(last())
+    while not task.done():
+        await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()
+            await stream.aclose()
+            raise asyncio.CancelledError("client disconnected")
+    return task.result()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int, reasoning: int | None = None) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return u
+
+
+def _token_str(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id])
+
+
+# ---------------------------------------------------------------- completions
+def _completion_logprobs(tok: Tokenizer, token_ids: list[int], logprobs, offset: int) -> dict | None:
+    if logprobs is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for tid, lp in zip(token_ids, logprobs):
+        s = _token_str(tok, tid)
+        tokens.append(s)
+        values.append(lp.logprob)
+        tops.append({_token_str(tok, t): v for t, v in lp.top} if lp.top else None)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def completion(state: ServerState, req: CompletionRequest, raw: Request, rid: str):
+    prompts = req.prompt_list()
+    inputs = []
+    for i, p in enumerate(prompts):
+        ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        state.check_prompt(ids)
+        inputs.append((p if isinstance(p, str) else state.tokenizer.decode(ids), ids))
+    params = req.to_sampling_params(default_max_tokens=16)
+    model = state.served_names[0] if req.model is None else req.model
+    created = int(time.time())
+    n = params.n
+    streams = [_tracked(state, f"{rid}-{i}", text, ids, params) for i, (text, ids) in enumerate(inputs)]
+
+    if not req.stream:
+        finals = await asyncio.gather(*(_collect(s, raw) for s in streams))
+        choices, completion_tokens, cached = [], 0, 0
+        for i, (out, (text, ids)) in enumerate(zip(finals, inputs)):
+            cached += out.num_cached_tokens
+            for c in out.outputs:
+                body = (text + c.text) if req.echo else c.text
+                choices.append({"index": i * n + c.index, "text": body,
+                                "logprobs": _completion_logprobs(state.tokenizer, c.token_ids, c.logprobs,
+                                                                 len(text) if req.echo else 0),
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                completion_tokens += len(c.token_ids)
+        prompt_tokens = sum(len(ids) for _, ids in inputs)
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)})
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def events():
+        queue: asyncio.Queue = asyncio.Queue()
+        counts = {"completion": 0, "cached": 0}
+        emitted_len: dict[tuple[int, int], int] = {}
+
+        async def pump(i: int, stream):
+            try:
+                async for out in stream:
+                    await queue.put((i, out))
+            except Exception as e:  # noqa: BLE001 — forwarded to the client as an error event
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        done = 0
+        try:
+            if req.echo:
+                for i, (text, _ids) in enumerate(inputs):
+                    for k in range(n):
+                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [{"index": i * n + k, "text": text, "logprobs": None,
+                                                 "finish_reason": None}]})
+            while done < len(tasks):
+                i, item = await queue.get()
+                if item is None:
+                    done += 1
+                    continue
+                if isinstance(item, BaseException):
+                    yield _sse(_stream_error(item))
+                    continue
+                for c in item.outputs:
+                    seen = emitted_len.get((i, c.index), 0)
+                    new_ids = c.token_ids[seen:]
+                    if not new_ids and not c.delta_text and not c.finished:
+                        continue
+                    emitted_len[(i, c.index)] = len(c.token_ids)
+                    lps = c.logprobs[seen:] if c.logprobs is not None else None
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [{"index": i * n + c.index, "text": c.delta_text,
+                                             "logprobs": _completion_logprobs(state.tokenizer, new_ids, lps, 0),
+                                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                if item.finished:
+                    counts["completion"] += sum(len(c.token_ids) for c in item.outputs)
+                    counts["cached"] += item.num_cached_tokens
+            if include_usage:
+                prompt_tokens = sum(len(ids) for _, ids in inputs)
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": _usage(prompt_tokens, counts["completion"], counts["cached"])})
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                await s.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _stream_error(exc: BaseException) -> dict:
+    if isinstance(exc, InvalidRequestError):
+        return error_body(str(exc), "BadRequestError", exc.field, 400)
+    if isinstance(exc, EngineDeadError):
+        return error_body(str(exc), "ServiceUnavailableError", None, 503)
+    return error_body(str(exc), "InternalServerError", None, 500)
+
+
+# ---------------------------------------------------------------- chat
+def _chat_logprobs(tok: Tokenizer, token_ids: list[int], logprobs) -> dict | None:
+    if logprobs is None:
+        return None
+    content = []
+    for tid, lp in zip(token_ids, logprobs):
+        s = _token_str(tok, tid)
+        content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": _token_str(tok, t), "logprob": v,
+                                          "bytes": list(_token_str(tok, t).encode())} for t, v in lp.top]})
+    return {"content": content}
+
+
+def _tool_call_json(tc) -> dict:
+    return {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
+
+
+async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request, rid: str):
+    ids, thinking = state.render(req)
+    state.check_prompt(ids, "messages")
+    params = req.to_sampling_params(default_max_tokens=None)
+    # The parsers read the markers, so they must survive detokenisation; parsing happens on ids anyway.
+    model = state.served_names[0] if req.model is None else req.model
+    created = int(time.time())
+    stream = _tracked(state, rid, None, ids, params)
+    parser = parser_for(state.config, state.tokenizer)
+
+    if not req.stream:
+        out = await _collect(stream, raw)
+        choices, completion_tokens, reasoning_tokens = [], 0, 0
+        for c in out.outputs:
+            parsed = parser.parse(c.token_ids, thinking)
+            message = {"role": "assistant", "content": parsed.content or None if parsed.tool_calls else parsed.content,
+                       "reasoning_content": parsed.reasoning_content}
+            finish = c.finish_reason
+            if parsed.tool_calls:
+                message["tool_calls"] = [_tool_call_json(tc) for tc in parsed.tool_calls]
+                if finish == "stop":
+                    finish = "tool_calls"
+            choices.append({"index": c.index, "message": message, "finish_reason": finish,
+                            "stop_reason": c.stop_reason,
+                            "logprobs": _chat_logprobs(state.tokenizer, c.token_ids, c.logprobs)})
+            completion_tokens += len(c.token_ids)
+            reasoning_tokens += parsed.reasoning_tokens
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": choices,
+                             "usage": _usage(len(ids), completion_tokens, out.num_cached_tokens, reasoning_tokens)})
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def events():
+        stream_parsers = {}
+        seen: dict[int, int] = {}
+        has_tools: dict[int, bool] = {}
+        final = None
+
+        def chunk(choices: list[dict]) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                         "choices": choices})
+
+        try:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(params.n)])
+            async for out in stream:
+                final = out
+                for c in out.outputs:
+                    sp = stream_parsers.setdefault(c.index, parser.stream(thinking))
+                    start = seen.get(c.index, 0)
+                    new_ids = c.token_ids[start:]
+                    seen[c.index] = len(c.token_ids)
+                    deltas = sp.feed(new_ids) if new_ids else []
+                    if c.finished:
+                        deltas += sp.finish()
+                    lps = _chat_logprobs(state.tokenizer, new_ids, c.logprobs[start:] if c.logprobs else None)
+                    for d in deltas:
+                        if d.get("tool_calls"):
+                            has_tools[c.index] = True
+                        yield chunk([{"index": c.index, "delta": d, "logprobs": lps, "finish_reason": None}])
+                        lps = None
+                    if c.finished:
+                        finish = c.finish_reason
+                        if has_tools.get(c.index) and finish == "stop":
+                            finish = "tool_calls"
+                        yield chunk([{"index": c.index, "delta": {}, "logprobs": lps, "finish_reason": finish,
+                                      "stop_reason": c.stop_reason}])
+            if include_usage and final is not None:
+                completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": _usage(len(ids), completion_tokens, final.num_cached_tokens)})
+            yield "data: [DONE]\n\n"
+        except (InvalidRequestError, EngineDeadError) as e:
+            yield _sse(_stream_error(e))
+            yield "data: [DONE]\n\n"
+        finally:
+            await stream.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")

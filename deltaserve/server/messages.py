@@ -1,0 +1,113 @@
+"""Typed messages between the API process and the engine-core process, as msgpack maps (never pickle).
+
+API -> core: AddRequest, AbortRequest, Shutdown, Probe.   core -> API: Ready, StepOutputs, AddFailed, ProbeResult.
+Every message is a dataclass; `encode` writes {"kind": <class name>, **fields}, `decode` checks the kind and the
+field names before building the dataclass back, so a malformed frame is rejected rather than half-read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import msgpack
+
+from ..engine.core import CoreOutput
+from ..engine.sampler import TokenLogprobs
+from ..engine.sampling_params import SamplingParams
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: dict  # SamplingParams fields
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+    index: int | None = None
+    reason: str = "abort"
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Probe:
+    """Ask the core for its stats and a pool integrity check (debug endpoint, tests)."""
+
+    probe_id: int
+
+
+@dataclass
+class Ready:
+    max_model_len: int
+    vocab_size: int
+    eos_ids: list[int]
+    pid: int
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[dict]  # CoreOutput fields
+    stats: dict
+
+
+@dataclass
+class AddFailed:
+    request_id: str
+    field: str
+    message: str
+
+
+@dataclass
+class ProbeResult:
+    probe_id: int
+    stats: dict
+    integrity_error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+MESSAGES = {cls.__name__: cls for cls in (AddRequest, AbortRequest, Shutdown, Probe, Ready, StepOutputs, AddFailed,
+                                          ProbeResult)}
+
+
+def encode(msg) -> bytes:
+    return msgpack.packb({"kind": type(msg).__name__, **dataclasses.asdict(msg)}, use_bin_type=True)
+
+
+def decode(frame: bytes):
+    data = msgpack.unpackb(frame, raw=False)
+    if not isinstance(data, dict) or data.get("kind") not in MESSAGES:
+        raise ValueError("malformed engine message")
+    cls = MESSAGES[data.pop("kind")]
+    names = {f.name for f in dataclasses.fields(cls)}
+    if set(data) - names:
+        raise ValueError(f"unexpected fields in {cls.__name__}: {sorted(set(data) - names)}")
+    return cls(**data)
+
+
+def params_to_dict(p: SamplingParams) -> dict:
+    return dataclasses.asdict(p)
+
+
+def params_from_dict(d: dict) -> SamplingParams:
+    return SamplingParams(**d)
+
+
+def output_to_dict(o: CoreOutput) -> dict:
+    d = dataclasses.asdict(o)
+    if o.logprob is not None:
+        d["logprob"] = [o.logprob.token_id, o.logprob.logprob, o.logprob.rank, [list(t) for t in o.logprob.top]]
+    return d
+
+
+def output_from_dict(d: dict) -> CoreOutput:
+    lp = d.get("logprob")
+    if lp is not None:
+        d = {**d, "logprob": TokenLogprobs(lp[0], lp[1], lp[2], [tuple(t) for t in lp[3]])}
+    return CoreOutput(**d)

@@ -1,0 +1,443 @@
+"""OpenAI protocol models (serving.md §10) and Prometheus metrics (§11): fast, no engine, no model."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from deltaserve.engine.sampling_params import InvalidRequestError
+from deltaserve.server.metrics import Metrics
+from deltaserve.server.protocol import (
+    SSE_DONE, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent,
+    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+    ChatMessage, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
+    CompletionResponseStreamChoice, CompletionStreamResponse, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+    DetokenizeRequest, DetokenizeResponse, ErrorResponse, FunctionCall, ModelCard, ModelList, TokenizeRequest,
+    TokenizeResponse, ToolCall, UsageInfo, error_body, invalid_request_body, sse_event, validation_error_body)
+
+USER = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": USER, **kw})
+
+
+def completion(**kw) -> CompletionRequest:
+    return CompletionRequest.model_validate({"prompt": "hello", **kw})
+
+
+def error_of(cls, payload) -> dict:
+    with pytest.raises(ValidationError) as info:
+        cls.model_validate(payload)
+    status, body = validation_error_body(info.value)
+    assert status == 400
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "BadRequestError" and body["error"]["code"] == 400
+    return body["error"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mapping to SamplingParams
+
+
+def test_completion_defaults():
+    p = completion().to_sampling_params(100)
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.max_tokens == 16  # vLLM's completions default
+    assert (p.stop, p.stop_token_ids, p.logprobs, p.seed, p.min_tokens) == ([], [], None, None, 0)
+    assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
+
+
+def test_completion_field_mapping():
+    req = completion(max_tokens=40, temperature=0, top_p=0.9, top_k=-1, min_p=0.05, presence_penalty=0.5,
+                     frequency_penalty=-0.5, repetition_penalty=1.1, seed=7, n=2, best_of=2, stop="END",
+                     stop_token_ids=[3, 4], include_stop_str_in_output=True, ignore_eos=True, min_tokens=2,
+                     logprobs=5, skip_special_tokens=False)
+    p = req.to_sampling_params(100)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (40, 0, 0.9, 0, 0.05)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert (p.seed, p.n, p.stop, p.stop_token_ids, p.min_tokens, p.logprobs) == (7, 2, ["END"], [3, 4], 2, 5)
+    assert p.include_stop_str_in_output and p.ignore_eos and not p.skip_special_tokens and p.greedy
+
+
+def test_completion_max_tokens_null_uses_default_and_generation_defaults():
+    req = completion(max_tokens=None)
+    assert req.to_sampling_params(50).max_tokens == 50
+    assert req.to_sampling_params(None).max_tokens is None
+    p = req.to_sampling_params(50, defaults={"max_tokens": 20, "temperature": 0.6, "top_k": 5})
+    assert (p.max_tokens, p.temperature, p.top_k) == (20, 0.6, 5)
+    assert completion(temperature=0.2).to_sampling_params(50, defaults={"temperature": 0.6}).temperature == 0.2
+
+
+def test_completion_prompts():
+    assert completion().prompts() == ["hello"]
+    assert completion(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert completion(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert completion(prompt=[[1], [2, 3]]).prompt_list() == [[1], [2, 3]]
+
+
+def test_chat_field_mapping():
+    p = chat(max_completion_tokens=9, max_tokens=100, logprobs=True, top_logprobs=4, temperature=0.3,
+             stop=["a", "b"]).to_sampling_params(1000)
+    assert (p.max_tokens, p.logprobs, p.temperature, p.stop) == (9, 4, 0.3, ["a", "b"])
+    assert chat(max_tokens=12).to_sampling_params(1000).max_tokens == 12
+    assert chat().to_sampling_params(1000).max_tokens == 1000  # chat has no fixed default
+    assert chat().to_sampling_params(None).max_tokens is None
+    assert chat(logprobs=True).to_sampling_params(10).logprobs == 0
+    assert chat(logprobs=False).to_sampling_params(10).logprobs is None
+    assert chat().to_sampling_params(10).temperature == 1.0
+
+
+def test_chat_sampling_error_names_request_field():
+    req = chat(min_tokens=5)
+    with pytest.raises(InvalidRequestError) as info:
+        req.to_sampling_params(3)  # the server's default leaves no room for min_tokens
+    assert info.value.field == "min_tokens"
+    status, body = invalid_request_body(info.value)
+    assert status == 400 and body["error"]["param"] == "min_tokens"
+
+
+def test_chat_helpers():
+    req = chat(messages=[{"role": "system", "content": "s", "name": None},
+                         {"role": "assistant", "content": None, "reasoning": "r",
+                          "tool_calls": [{"id": "c1", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                         {"role": "tool", "content": "18", "tool_call_id": "c1"}],
+               tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+               response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}})
+    assert req.messages[0] == {"role": "system", "content": "s"}
+    assert req.messages[1]["reasoning"] == "r" and req.messages[1]["tool_calls"][0]["type"] == "function"
+    assert req.tool_dicts()[0]["function"]["name"] == "get_weather"
+    assert req.tool_choice_value() == {"type": "function", "function": {"name": "get_weather"}}
+    assert req.response_format_dict() == {"type": "json_schema", "json_schema": {"name": "w",
+                                                                                  "schema": {"type": "object"}}}
+    assert chat().effective_tool_choice == "none" and chat(tools=TOOLS).effective_tool_choice == "auto"
+    assert chat(tools=TOOLS, tool_choice="auto").tool_choice_value() is None
+    assert chat(tools=TOOLS, tool_choice="required").tool_choice_value() == "required"
+
+
+def test_thinking_resolution():
+    assert chat().thinking_settings() == (True, None)
+    assert chat(reasoning_effort="none").thinking_settings() == (False, None)
+    assert chat(reasoning_effort="high").thinking_settings() == (True, "high")
+    assert chat(reasoning_effort="xhigh").thinking_settings() == (True, "max")
+    assert chat(chat_template_kwargs={"enable_thinking": False}).thinking_settings() == (False, None)
+    kw = chat(reasoning_effort="low", chat_template_kwargs={"thinking": True, "thinking_effort": "medium", "x": 1})
+    assert kw.template_kwargs() == {"x": 1, "thinking": True, "thinking_effort": "medium"}
+
+
+def test_tokenize_requests():
+    t = TokenizeRequest.model_validate({"prompt": "hi"})
+    assert t.use_special_tokens and t.messages is None
+    t = TokenizeRequest.model_validate({"messages": USER, "add_generation_prompt": False})
+    assert not t.use_special_tokens and t.messages == USER
+    assert DetokenizeRequest.model_validate({"tokens": [1, 2]}).tokens == [1, 2]
+
+
+def test_extra_fields_ignored():
+    req = chat(foo=1, functions=[], messages=[{"role": "user", "content": "x"}], metadata={"a": "b"})
+    assert not hasattr(req, "foo") and "foo" not in req.model_dump()
+    assert "foo" not in completion(foo={"bar": 1}).model_dump()
+    assert TokenizeRequest.model_validate({"prompt": "x", "bogus": 1}).prompt == "x"
+
+
+def test_stream_options():
+    req = chat(stream=True, stream_options={"include_usage": True})
+    assert req.stream_options.include_usage and not req.stream_options.continuous_usage_stats
+    assert completion(stream=True, stream_options={}).stream_options.include_usage  # vLLM's default
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Invalid payloads -> OpenAI error bodies naming the field
+
+CHAT_INVALID = [
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"max_completion_tokens": True}, "max_completion_tokens"),
+    ({"n": 0}, "n"),
+    ({"seed": "abc"}, "seed"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, "messages.0.tool_calls.0.function.name"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools.0.function.name"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs.thinking"),
+    ({"chat_template_kwargs": {"thinking_effort": "huge"}}, "chat_template_kwargs.thinking_effort"),
+    ({"chat_template_kwargs": {"thinking": True, "enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"parallel_tool_calls": "x"}, "parallel_tool_calls"),
+    ({"model": 5}, "model"),
+]
+
+
+@pytest.mark.parametrize("overrides,param", CHAT_INVALID, ids=[p for _, p in CHAT_INVALID])
+def test_chat_invalid(overrides, param):
+    err = error_of(ChatCompletionRequest, {"messages": USER, **overrides})
+    assert err["param"] == param
+    assert param.split(".")[-1] in err["message"] or param.split(".")[0] in err["message"]
+
+
+COMPLETION_INVALID = [
+    ({"prompt": None}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"suffix": "tail"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+    ({"echo": "yes"}, "echo"),
+    ({"max_tokens": "16"}, "max_tokens"),
+    ({"max_tokens": 4.0}, "max_tokens"),
+    ({"min_tokens": 17}, "min_tokens"),
+    ({"temperature": True}, "temperature"),
+    ({"logit_bias": "x"}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("overrides,param", COMPLETION_INVALID, ids=[p for _, p in COMPLETION_INVALID])
+def test_completion_invalid(overrides, param):
+    err = error_of(CompletionRequest, {"prompt": "hi", **overrides})
+    assert err["param"] == param and param in err["message"]
+
+
+def test_missing_prompt_and_non_object_body():
+    assert error_of(CompletionRequest, {})["param"] == "prompt"
+    err = error_of(CompletionRequest, [1, 2])
+    assert err["param"] is None and "dictionary" in err["message"]
+    assert error_of(TokenizeRequest, {})["param"] == "prompt"
+    assert error_of(TokenizeRequest, {"prompt": "a", "messages": USER})["param"] == "messages"
+    assert error_of(DetokenizeRequest, {"tokens": [1, -2]})["param"] == "tokens.1"
+
+
+def test_valid_edge_values_accepted():
+    chat(temperature=0, top_p=1, top_k=-1, min_p=0, presence_penalty=-2, frequency_penalty=2, n=3, seed=-1,
+         top_logprobs=0, logprobs=False, logit_bias={}, stream_options=None, tool_choice="none")
+    completion(prompt="", logprobs=0, best_of=1, suffix=None, logit_bias=None, temperature=1)
+    chat(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+         continue_final_message=True, add_generation_prompt=False)
+
+
+def test_fastapi_style_errors():
+    # FastAPI prefixes locations with "body"; JSON decode errors name no field.
+    errors = [{"type": "greater_than_equal", "loc": ("body", "temperature"), "msg": "Input should be >= 0",
+               "input": -1, "ctx": {"ge": 0}}]
+    status, body = validation_error_body(errors)
+    assert status == 400 and body["error"]["param"] == "temperature"
+    status, body = validation_error_body([{"type": "json_invalid", "loc": ("body", 7), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": "Expecting value"}}])
+    assert body["error"]["param"] is None and "JSON" in body["error"]["message"]
+
+
+def test_error_body_shape():
+    assert error_body("nope", "NotFoundError", "model", 404) == {
+        "error": {"message": "nope", "type": "NotFoundError", "param": "model", "code": 404}}
+    assert error_body("x")["error"] == {"message": "x", "type": "BadRequestError", "param": None, "code": None}
+    ErrorResponse.model_validate(error_body("x"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Response shapes
+
+
+def test_completion_response_shape():
+    lp = CompletionLogProbs(text_offset=[0], token_logprobs=[-0.1], tokens=["a"], top_logprobs=[{"a": -0.1}])
+    resp = CompletionResponse(model="m", choices=[CompletionResponseChoice(index=0, text="a", logprobs=lp,
+                                                                           finish_reason="length")],
+                              usage=UsageInfo.make(3, 1, cached_tokens=2))
+    d = json.loads(resp.model_dump_json())
+    assert set(d) == {"id", "object", "created", "model", "choices", "usage"}
+    assert d["object"] == "text_completion" and d["id"].startswith("cmpl-")
+    assert {"index", "text", "logprobs", "finish_reason"} <= set(d["choices"][0])
+    assert set(d["choices"][0]["logprobs"]) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert d["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
+                          "prompt_tokens_details": {"cached_tokens": 2},
+                          "completion_tokens_details": {"reasoning_tokens": 0}}
+    chunk = CompletionStreamResponse(model="m", choices=[CompletionResponseStreamChoice(index=0, text="b")])
+    d = json.loads(chunk.model_dump_json())
+    assert "usage" not in d and d["choices"][0]["finish_reason"] is None
+    d = json.loads(CompletionStreamResponse(model="m", usage=UsageInfo.make(1, 2)).model_dump_json())
+    assert d["choices"] == [] and d["usage"]["total_tokens"] == 3
+
+
+def test_chat_response_shape():
+    top = [ChatCompletionLogProb(token="b", logprob=-1.0, bytes=[98])]
+    lp = ChatCompletionLogProbs(content=[ChatCompletionLogProbsContent(token="a", logprob=-0.5, bytes=[97],
+                                                                       top_logprobs=top)])
+    msg = ChatMessage(content="ok", reasoning_content="why",
+                      tool_calls=[ToolCall(function=FunctionCall(name="f", arguments='{"x": 1}'))])
+    resp = ChatCompletionResponse(model="m", choices=[ChatCompletionResponseChoice(
+        index=0, message=msg, logprobs=lp, finish_reason="tool_calls")], usage=UsageInfo.make(5, 2, 0, 1))
+    d = json.loads(resp.model_dump_json())
+    assert d["object"] == "chat.completion" and d["id"].startswith("chatcmpl-")
+    choice = d["choices"][0]
+    assert {"index", "message", "logprobs", "finish_reason"} <= set(choice)
+    assert {"role", "content", "reasoning_content", "tool_calls"} <= set(choice["message"])
+    call = choice["message"]["tool_calls"][0]
+    assert set(call) == {"id", "type", "function"} and call["type"] == "function" and call["id"].startswith("call_")
+    assert set(call["function"]) == {"name", "arguments"}
+    entry = choice["logprobs"]["content"][0]
+    assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert set(entry["top_logprobs"][0]) == {"token", "logprob", "bytes"}
+    assert d["usage"]["completion_tokens_details"] == {"reasoning_tokens": 1}
+
+
+def test_chat_chunk_shape_and_sse():
+    first = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[ChatCompletionResponseStreamChoice(
+        index=0, delta=DeltaMessage(role="assistant", content=""))])
+    d = json.loads(first.model_dump_json())
+    assert d["object"] == "chat.completion.chunk" and "usage" not in d
+    assert d["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert d["choices"][0]["finish_reason"] is None and "logprobs" in d["choices"][0]
+    call = ChatCompletionChunk(model="m", choices=[ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(
+        tool_calls=[DeltaToolCall(index=0, id="call_1", type="function",
+                                  function=DeltaFunctionCall(name="f", arguments="{}"))]))])
+    delta = json.loads(call.model_dump_json())["choices"][0]["delta"]
+    assert delta == {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                     "function": {"name": "f", "arguments": "{}"}}]}
+    reasoning = DeltaMessage(reasoning_content="r").model_dump()
+    assert reasoning == {"reasoning_content": "r"}
+    last = ChatCompletionChunk(model="m", usage=UsageInfo.make(2, 3))
+    event = sse_event(last)
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    d = json.loads(event[len("data: "):])
+    assert d["choices"] == [] and d["usage"]["total_tokens"] == 5
+    assert SSE_DONE == "data: [DONE]\n\n"
+
+
+def test_misc_response_shapes():
+    d = ModelList(data=[ModelCard(id="k3", max_model_len=4096)]).model_dump()
+    assert d["object"] == "list" and {"id", "object", "created", "owned_by", "max_model_len"} <= set(d["data"][0])
+    assert d["data"][0]["object"] == "model"
+    d = TokenizeResponse(count=2, max_model_len=10, tokens=[1, 2]).model_dump()
+    assert {"count", "max_model_len", "tokens"} <= set(d)
+    assert DetokenizeResponse(prompt="hi").model_dump() == {"prompt": "hi"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Metrics
+
+METRIC_NAMES = [
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "state_slots_usage_perc",
+    "checkpoint_slots_used", "num_preemptions_total", "prompt_tokens_total", "prompt_tokens_cached_total",
+    "generation_tokens_total", "request_success_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+    "kda_checkpoint_hits_total", "kda_checkpoints_evicted_total", "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_accepted_tokens_per_pos_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "iteration_tokens", "kv_transfer_seconds", "kv_transfer_bytes_total",
+    "kv_transfer_failures_total", "kv_expired_requests_total", "cache_config_info",
+]
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_names():
+    m = Metrics(cache_config={"block_size": 16})
+    body, content_type = m.render()
+    text = body.decode()
+    assert content_type.startswith("text/plain")
+    for name in METRIC_NAMES:
+        assert f"# TYPE deltaserve:{name} " in text, name
+        assert f"deltaserve:{name}" in set(m.metric_names()), name
+    assert "deltaserve:cache_config_info{block_size=\"16\"} 1.0" in text
+    assert "deltaserve:prompt_tokens_total 0.0" in text
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            assert line.startswith("deltaserve:"), line
+
+
+def test_metrics_registries_are_independent():
+    a, b = Metrics(), Metrics()
+    a.on_finish("stop", 1.0, 10, 0, 5)
+    assert _samples(b.render()[0].decode())["deltaserve:prompt_tokens_total"] == 0
+
+
+def test_metrics_counters_move():
+    m = Metrics()
+    m.observe_engine_stats({"num_running": 2, "num_waiting": 3, "kv_cache_usage": 0.5, "state_slot_usage": 0.25,
+                            "num_preemptions": 2, "iteration_tokens": [8, 40]})
+    m.observe_engine_stats({"num_running": 1, "num_waiting": 0, "num_preemptions": 5, "iteration_tokens": 3})
+    m.observe_engine_stats({"num_preemptions": 1})  # lower than before: an engine restart, counts in full
+    m.on_first_token(0.05)
+    m.on_token(0.01)
+    m.on_token(0.02)
+    m.on_finish("stop", 1.5, 100, 64, 20, queue_s=0.1)
+    m.on_finish("length", 2.0, 10, 0, 16)
+    s = _samples(m.render()[0].decode())
+    assert s["deltaserve:num_requests_running"] == 1
+    assert s['deltaserve:num_requests_waiting{reason="capacity"}'] == 0
+    assert s["deltaserve:kv_cache_usage_perc"] == 0.5 and s["deltaserve:state_slots_usage_perc"] == 0.25
+    assert s["deltaserve:num_preemptions_total"] == 6
+    assert s["deltaserve:iteration_tokens_count"] == 3 and s["deltaserve:iteration_tokens_sum"] == 51
+    assert s["deltaserve:time_to_first_token_seconds_count"] == 1
+    assert s["deltaserve:inter_token_latency_seconds_count"] == 2
+    assert s["deltaserve:e2e_request_latency_seconds_count"] == 2
+    assert s["deltaserve:e2e_request_latency_seconds_sum"] == 3.5
+    assert s["deltaserve:request_queue_time_seconds_count"] == 1
+    assert s["deltaserve:prompt_tokens_total"] == 110 and s["deltaserve:prompt_tokens_cached_total"] == 64
+    assert s["deltaserve:generation_tokens_total"] == 36
+    assert s["deltaserve:prefix_cache_queries_total"] == 110 and s["deltaserve:prefix_cache_hits_total"] == 64
+    assert s['deltaserve:request_success_total{finished_reason="stop"}'] == 1
+    assert s['deltaserve:request_success_total{finished_reason="length"}'] == 1
+
+
+def test_metrics_labelled_gauges_and_spec_counters():
+    m = Metrics()
+    m.observe_engine_stats({"num_waiting_by_reason": {"capacity": 2, "kv_transfer": 1},
+                            "prefix_cache_ineffective": {"prompt_shorter_than_block": True},
+                            "spec_decode_num_accepted_tokens_per_pos": [3, 1], "spec_decode_num_drafts": 4})
+    m.observe_engine_stats({"num_waiting_by_reason": {"capacity": 1},
+                            "spec_decode_num_accepted_tokens_per_pos": [5, 1, 2], "spec_decode_num_drafts": 6})
+    m.on_kv_transfer(0.2, 1024)
+    s = _samples(m.render()[0].decode())
+    assert s['deltaserve:num_requests_waiting{reason="capacity"}'] == 1
+    assert s['deltaserve:num_requests_waiting{reason="kv_transfer"}'] == 0  # disappeared -> 0, not stale
+    assert s['deltaserve:prefix_cache_ineffective{reason="prompt_shorter_than_block"}'] == 1
+    assert s['deltaserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 5
+    assert s['deltaserve:spec_decode_num_accepted_tokens_per_pos_total{position="2"}'] == 2
+    assert s["deltaserve:spec_decode_num_drafts_total"] == 6
+    assert s["deltaserve:kv_transfer_bytes_total"] == 1024 and s["deltaserve:kv_transfer_seconds_count"] == 1
