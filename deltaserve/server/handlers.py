@@ -248,10 +248,6 @@ def _chat_logprobs(tok: Tokenizer, token_ids: list[int], logprobs) -> dict | Non
     return {"content": content}
 
 
-def _tool_call_json(tc) -> dict:
-    return {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}
-
-
 async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request, rid: str):
     ids, thinking = state.render(req)
     state.check_prompt(ids, "messages")
@@ -267,11 +263,11 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
         choices, completion_tokens, reasoning_tokens = [], 0, 0
         for c in out.outputs:
             parsed = parser.parse(c.token_ids, thinking)
-            message = {"role": "assistant", "content": parsed.content or None if parsed.tool_calls else parsed.content,
+            message = {"role": "assistant", "content": (parsed.content or None) if parsed.tool_calls else parsed.content,
                        "reasoning_content": parsed.reasoning_content}
             finish = c.finish_reason
             if parsed.tool_calls:
-                message["tool_calls"] = [_tool_call_json(tc) for tc in parsed.tool_calls]
+                message["tool_calls"] = [tc.to_openai() for tc in parsed.tool_calls]
                 if finish == "stop":
                     finish = "tool_calls"
             choices.append({"index": c.index, "message": message, "finish_reason": finish,
@@ -308,6 +304,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
                     deltas = sp.feed(new_ids) if new_ids else []
                     if c.finished:
                         deltas += sp.finish()
+                    deltas = [d.to_openai() for d in deltas]
                     lps = _chat_logprobs(state.tokenizer, new_ids, c.logprobs[start:] if c.logprobs else None)
                     for d in deltas:
                         if d.get("tool_calls"):
