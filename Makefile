@@ -13,9 +13,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Runs the main job on the embedded default model (written once into the cache folder on first use).
+# Runs the main job: the OpenAI-compatible server on the embedded default model, at http://127.0.0.1:8000.
 run: install
-	$(VENV)/bin/deltaserve generate --prompt "The capital of France is" --max-tokens 24
+	$(VENV)/bin/deltaserve serve
 
 # OpenMP threads that spin while waiting slow everything down ~10x when another process shares the 2 cores.
 test: install
