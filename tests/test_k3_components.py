@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,6 @@ from deltaserve.ops.attn_res import attn_res_mix as ds_mix
 from deltaserve.ops.attn_res import attn_res_mix_ref as ds_mix_ref
 from deltaserve.ops.indexer import indexer_scores_ref, select_topk
 from deltaserve.ops.kda import kda_gate
-from deltaserve.tools.make_model import write_checkpoint
 from deltaserve.tools.presets import get_preset
 
 D = 64  # hidden size of the tiny presets
@@ -34,17 +32,9 @@ T = 40  # > index_topk (16): DSA selection active
 
 
 @pytest.fixture(scope="session")
-def k3_checkpoint(tmp_path_factory):
+def k3_checkpoint(make_checkpoint):
     """k3_checkpoint(preset) -> folder written once per session by make-model (seed 0), real K3 layout."""
-    made: dict[str, Path] = {}
-
-    def get(preset: str) -> Path:
-        if preset not in made:
-            out = tmp_path_factory.mktemp("k3comp_" + preset.replace("-", "_"))
-            made[preset] = write_checkpoint(get_preset(preset), out, seed=0)
-        return made[preset]
-
-    return get
+    return make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,6 @@ from safetensors.torch import load_file, save_file
 import deltaserve
 import deltaserve.layers.mla as ds_mla
 from deltaserve.layers.batch import StepBatch
-from deltaserve.tools.make_model import write_checkpoint
-from deltaserve.tools.presets import get_preset
 
 TOL = 1e-4  # oracles.md §8: fp32 logits, absolute
 T = 48  # > index_topk (16) of k31-tiny, so DSA selection is active on most rows
@@ -26,17 +23,9 @@ TIE_REL_GAP = 1e-4  # oracles.md §4 rule 2
 
 
 @pytest.fixture(scope="session")
-def k3_checkpoint(tmp_path_factory):
+def k3_checkpoint(make_checkpoint):
     """k3_checkpoint(preset) -> folder written once per session by make-model (seed 0), real K3 layout."""
-    made: dict[str, Path] = {}
-
-    def get(preset: str) -> Path:
-        if preset not in made:
-            out = tmp_path_factory.mktemp("k3comp_" + preset.replace("-", "_"))
-            made[preset] = write_checkpoint(get_preset(preset), out, seed=0)
-        return made[preset]
-
-    return get
+    return make_checkpoint
 
 
 def _ids(vocab: int, n: int = T, seed: int = 0) -> torch.Tensor:

@@ -3,21 +3,19 @@ process behind `EngineClient`; tokenising, chat rendering, detokenising and outp
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..chat import ChatError
 from ..engine.sampling_params import InvalidRequestError
-from .engine_client import EngineClient, EngineDeadError
+from .engine_client import EngineDeadError
 from .handlers import ServerState, chat_completion, completion
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
                        TokenizeRequest, error_body, validation_error_body)
@@ -146,10 +144,3 @@ def build_app(state: ServerState) -> FastAPI:
 
     return app
 
-
-def dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def unix_time() -> int:
-    return int(time.time())
