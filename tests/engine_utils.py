@@ -152,9 +152,11 @@ def make_llm(path, **kw) -> LLM:
     return llm
 
 
-def pool_bytes(config, num_slots: int, num_blocks: int, block_size: int, dtype=torch.float32) -> int:
-    """kv_cache_memory that `_size_pools` splits into exactly num_slots state slots and num_blocks pages."""
-    return (num_slots * StateSlots.bytes_per_slot(config)
+def pool_bytes(config, num_slots: int, num_blocks: int, block_size: int, dtype=torch.float32,
+               num_checkpoints: int = 2) -> int:
+    """kv_cache_memory that `_size_pools` splits into exactly num_slots state slots, num_blocks pages and (when
+    the engine is made with max_state_checkpoints=num_checkpoints) that many prefix-cache state checkpoints."""
+    return ((num_slots + num_checkpoints) * StateSlots.bytes_per_slot(config)
             + num_blocks * block_size * PagePool.bytes_per_token(config, dtype))
 
 

@@ -137,7 +137,8 @@ def test_preemption_by_recompute_gives_the_same_tokens(make_checkpoint, preset, 
     probe = make_llm(path)
     # 8 state slots and 10 pages of 16 tokens (160 tokens) for 12 requests that need up to 4 pages each.
     memory = pool_bytes(probe.engine.config, num_slots=8, num_blocks=10, block_size=16)
-    llm = make_llm(path, max_num_seqs=8, block_size=16, kv_cache_memory=memory, max_num_batched_tokens=budget)
+    llm = make_llm(path, max_num_seqs=8, block_size=16, kv_cache_memory=memory, max_num_batched_tokens=budget,
+                   max_state_checkpoints=2)
     engine = llm.engine
     assert (engine.pages.num_blocks, engine.states.num_slots) == (10, 8)
     lengths = [18, 21, 24, 32, 30, 33, 36, 39, 42, 45, 20, 31]
@@ -203,7 +204,7 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(make_checkpoint
     # Preempted and recomputed: 5 pages; once the target (admitted last, 30 + 10 tokens) needs its third page while
     # f0 holds three, the newest running request, the target, is the victim.
     memory = pool_bytes(first.engine.config, num_slots=4, num_blocks=5, block_size=16)
-    llm = make_llm(path, max_num_seqs=4, kv_cache_memory=memory, block_size=16)
+    llm = make_llm(path, max_num_seqs=4, kv_cache_memory=memory, block_size=16, max_state_checkpoints=2)
     arrivals = [(0, "f0", others[0], SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)),
                 (0, "f1", others[2], SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)),
                 (1, "target", prompt, _seeded())]
@@ -396,10 +397,15 @@ def test_n_completions_share_one_prompt_computation(make_checkpoint, preset):
     assert_same_greedy(g1.outputs[0].token_ids, prompt, engine.model, stats)
     stats.assert_rare()
 
-    # One sequence at a time: no room to fork, so the other two completions compute the prompt themselves.
-    _, alone, engine = run(greedy(M, n=3), max_num_seqs=1)
+    # One sequence at a time: no room to fork, so the other two completions compute the prompt themselves
+    # (without the prefix cache; with it they start from the cached full pages and state checkpoint).
+    _, alone, engine = run(greedy(M, n=3), max_num_seqs=1, enable_prefix_caching=False)
     assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in g3.outputs]
     assert engine.forward_tokens == 3 * P + 3 * (M - 1)
+    _, cached, engine = run(greedy(M, n=3), max_num_seqs=1)
+    assert [c.token_ids for c in cached.outputs] == [c.token_ids for c in g3.outputs]
+    hit = (P - 1) // 16 * 16
+    assert engine.forward_tokens == P + 2 * (P - hit) + 3 * (M - 1)
 
 
 # ----------------------------------------------------------------------------------------------- errors, abort

@@ -21,7 +21,12 @@ def test_pool_sizing_and_max_model_len(make_checkpoint):
     slot = e.states.bytes_per_slot(e.config)
     page = e.pages.bytes_per_token(e.config, e.model.embed_tokens.weight.dtype) * 16
     assert e.states.num_slots == 4
-    assert e.pages.num_blocks == ((1 << 20) - 4 * slot) // page
+    ckpt = min(4 * 4, int(0.2 * (1 << 20)) // slot)  # default checkpoints: 20% of the budget, at most 4 per seq
+    assert e.core.checkpoints.num_slots == ckpt
+    assert e.pages.num_blocks == ((1 << 20) - (4 + ckpt) * slot) // page
+    off = LLM(path, kv_cache_memory="1MiB", block_size=16, max_num_seqs=4, enable_prefix_caching=False).engine
+    assert off.core.checkpoints is None and off.core.prefix is None
+    assert off.pages.num_blocks == ((1 << 20) - 4 * slot) // page
     assert e.max_model_len == min(e.config.max_position_embeddings, e.pages.num_blocks * 16)
     with pytest.raises(ConfigError, match="max_model_len 4096 does not fit the page pool"):
         LLM(path, kv_cache_memory="1MiB", block_size=16, max_model_len=4096)

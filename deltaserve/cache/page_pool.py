@@ -2,12 +2,14 @@
 
 Every MLA/DSA layer owns a latent tensor [num_blocks, B, r + rho]; every DSA layer also owns an indexer-key tensor
 [num_blocks, B, D_I]. All of them are addressed by the same block ids: one block table per request.
-Blocks are reference-counted so several requests (n > 1, later the prefix cache) can share one.
+Blocks are reference-counted so several requests (n > 1, the prefix cache) can share one. A full page registered
+under its prefix hash stays *cached* when its last holder lets go: it can be shared again by a later request with
+the same prefix, and is evicted least-recently-used only when a fresh page is needed.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
@@ -27,6 +29,10 @@ class PagePool:
                            for l in config.dsa_layers}
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._tokens_of: dict[int, tuple[int, ...]] = {}  # collision guard for hash hits
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed pages, least recent first
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -37,38 +43,79 @@ class PagePool:
     # ---- allocation ----
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a new allocation can take: never used or free, plus cached ones (evicted on demand)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take `num_blocks` free blocks with one reference each. Caller checks `can_allocate` first."""
+        """Take `num_blocks` fresh blocks with one reference each, evicting least-recently-used cached pages when
+        the free list runs short. Caller checks `can_allocate` first."""
         if not self.can_allocate(num_blocks):
-            raise RuntimeError(f"page pool exhausted: {num_blocks} blocks asked, {len(self._free)} free")
+            raise RuntimeError(f"page pool exhausted: {num_blocks} blocks asked, {self.num_free} free")
+        while len(self._free) < num_blocks:
+            victim, _ = self._cached.popitem(last=False)
+            self._forget(victim)
+            self._free.append(victim)
         blocks = [self._free.popleft() for _ in range(num_blocks)]
         for b in blocks:
             self._refs[b] = 1
         return blocks
 
     def share(self, blocks: list[int]) -> None:
-        """Add one reference to each of `blocks` (another request now reads them)."""
+        """Add one reference to each of `blocks` (another request now reads them); a cached page is revived."""
         for b in blocks:
             if self._refs[b] <= 0:
-                raise RuntimeError(f"block {b} is free and cannot be shared")
+                if b not in self._cached:
+                    raise RuntimeError(f"block {b} is free and cannot be shared")
+                del self._cached[b]
             self._refs[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; a block with none left returns to the free list."""
+        """Drop one reference from each block (in the given order, which becomes the LRU order: pass chain tails
+        first so they are evicted first); a hashed page with none left stays cached, any other returns free."""
         for b in blocks:
             if self._refs[b] <= 0:
                 raise RuntimeError(f"block {b} freed twice")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                if b in self._hash_of:
+                    self._cached[b] = None
+                else:
+                    self._free.append(b)
+
+    # ---- prefix hashes ----
+    def register(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> None:
+        """Record that full page `block` holds the prefix chain ending in `block_hash`. A hash already held by
+        another page keeps that page (this one stays an unshared duplicate)."""
+        if block_hash in self._by_hash or block in self._hash_of:
+            return
+        self._by_hash[block_hash] = block
+        self._hash_of[block] = block_hash
+        self._tokens_of[block] = tokens
+
+    def lookup(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The page holding this prefix chain, if any (token ids compared to guard against hash collisions)."""
+        block = self._by_hash.get(block_hash)
+        if block is None or self._tokens_of[block] != tokens:
+            return None
+        return block
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._cached
+
+    def _forget(self, block: int) -> None:
+        h = self._hash_of.pop(block)
+        del self._by_hash[h]
+        del self._tokens_of[block]
 
     def copy_block(self, src: int, dst: int) -> None:
         for t in (*self.latent.values(), *self.index_keys.values()):
@@ -95,16 +142,21 @@ class PagePool:
 
     # ---- integrity ----
     def check_integrity(self, used_refs: dict[int, int] | None = None) -> None:
-        """free + used == total; no block both free and referenced; optionally refcounts equal `used_refs`
-        (block -> number of holders counted by the caller)."""
-        free = set(self._free)
+        """free + cached + used == total, pairwise disjoint; cached pages are hashed and unreferenced; optionally
+        refcounts equal `used_refs` (block -> number of holders counted by the caller)."""
+        free, cached = set(self._free), set(self._cached)
         if len(free) != len(self._free):
             raise AssertionError("page pool: a block is on the free list twice")
         used = {b for b, r in enumerate(self._refs) if r > 0}
-        if free & used:
-            raise AssertionError(f"page pool: blocks both free and referenced: {sorted(free & used)[:8]}")
-        if len(free) + len(used) != self.num_blocks:
-            raise AssertionError(f"page pool: free {len(free)} + used {len(used)} != total {self.num_blocks}")
+        if free & used or cached & used or free & cached:
+            raise AssertionError("page pool: a block is in two of free / cached / used")
+        if len(free) + len(cached) + len(used) != self.num_blocks:
+            raise AssertionError(f"page pool: free {len(free)} + cached {len(cached)} + used {len(used)} != total "
+                                 f"{self.num_blocks}")
+        if any(b not in self._hash_of for b in cached) or any(b in self._hash_of for b in free):
+            raise AssertionError("page pool: cached pages must be hashed and free pages must not")
+        if len(self._by_hash) != len(self._hash_of):
+            raise AssertionError("page pool: hash maps disagree")
         if used_refs is not None:
             want = {b: r for b, r in used_refs.items() if r}
             got = {b: self._refs[b] for b in used}

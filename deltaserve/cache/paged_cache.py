@@ -19,14 +19,19 @@ class SeqHandle(NamedTuple):
 
 
 class PagedCache(ModelCache):
-    def __init__(self, pages: PagePool, states: StateSlots):
-        self.pages, self.states = pages, states
+    def __init__(self, pages: PagePool, states: StateSlots, checkpoints: StateSlots | None = None):
+        self.pages, self.states, self.checkpoints = pages, states, checkpoints
 
     def handle(self, block_table: list[int], slot: int, end: int) -> SeqHandle:
         return SeqHandle(slot, self.pages.slots(block_table, 0, end))
 
     def kda_state(self, layer: int, handle: SeqHandle) -> tuple[torch.Tensor, torch.Tensor]:
         return self.states.state(layer, handle.slot)
+
+    def save_kda_checkpoint(self, layer: int, checkpoint: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        saved_conv, saved_rec = self.checkpoints.state(layer, checkpoint)
+        saved_conv.copy_(conv)
+        saved_rec.copy_(recurrent)
 
     def write_mla(self, layer: int, handle: SeqHandle, start: int, latent: torch.Tensor,
                   index_keys: torch.Tensor | None) -> None:

@@ -51,8 +51,12 @@ class StateSlots:
         self._free.append(slot)
 
     def copy(self, src: int, dst: int) -> None:
-        self.conv[dst].copy_(self.conv[src])
-        self.recurrent[dst].copy_(self.recurrent[src])
+        self.copy_to(src, self, dst)
+
+    def copy_to(self, src: int, other: "StateSlots", dst: int) -> None:
+        """Copy slot `src` of this pool into slot `dst` of `other` (same model): working slot <-> checkpoint."""
+        other.conv[dst].copy_(self.conv[src])
+        other.recurrent[dst].copy_(self.recurrent[src])
 
     def state(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.layer_index[layer]

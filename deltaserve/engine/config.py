@@ -32,12 +32,22 @@ class EngineArgs:
     block_size: int = 64
     kv_cache_memory: str | int = "2GiB"
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    state_checkpoint_interval: int | None = None  # tokens between KDA checkpoints; default one block
+    max_state_checkpoints: int | None = None  # default: 20% of kv_cache_memory, at most 4 per sequence
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.state_checkpoint_interval is None:
+            self.state_checkpoint_interval = self.block_size
+        if self.state_checkpoint_interval < 1 or self.state_checkpoint_interval % self.block_size:
+            raise ConfigError(f"state_checkpoint_interval must be a positive multiple of block_size "
+                              f"({self.block_size}), got {self.state_checkpoint_interval}")
+        if self.max_state_checkpoints is not None and self.max_state_checkpoints < 1:
+            raise ConfigError(f"max_state_checkpoints must be >= 1, got {self.max_state_checkpoints}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
@@ -53,6 +63,13 @@ class EngineArgs:
         parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                             help="bytes for the page pool and KDA state slots, e.g. 4GiB")
         parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+        parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                            default=True, help="share cached pages and KDA state checkpoints (default on)")
+        parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        parser.add_argument("--state-checkpoint-interval", type=int, default=None,
+                            help="tokens between KDA state checkpoints (a multiple of --block-size; default one block)")
+        parser.add_argument("--max-state-checkpoints", type=int, default=None,
+                            help="KDA state checkpoints kept for the prefix cache (default from memory)")
         parser.add_argument("--seed", type=int, default=d.seed)
 
     @classmethod

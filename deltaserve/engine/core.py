@@ -15,6 +15,7 @@ import torch
 
 from ..cache.page_pool import PagePool
 from ..cache.paged_cache import PagedCache
+from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
 from ..errors import ConfigError
 from ..models.loader import DTYPES, load_model
@@ -48,18 +49,21 @@ class EngineCore:
         self.args = args
         self.model = load_model(model_path, dtype=args.dtype)
         config = self.config = self.model.config
-        self.pages, self.states = _size_pools(config, args, DTYPES[args.dtype])
+        self.pages, self.states, self.checkpoints = _size_pools(config, args, DTYPES[args.dtype])
         self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)
+        self.prefix = (PrefixCache(self.pages, self.states, self.checkpoints, args.state_checkpoint_interval,
+                                   str(model_path.resolve())) if self.checkpoints is not None else None)
         self.scheduler = Scheduler(self.pages, self.states, min(args.max_num_seqs, self.states.num_slots),
-                                   args.max_num_batched_tokens, args.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states))
+                                   args.max_num_batched_tokens, args.enable_chunked_prefill, self.prefix)
+        self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints))
         self.sampler = Sampler(seed=args.seed)
         self.eos_ids = set(load_tokenizer(model_path).stop_token_ids(config.eos_token_ids))
         self._requests: dict[str, list[Request]] = {}
         self._n: dict[str, tuple[SamplingParams, int]] = {}
 
     # ---- requests ----
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
         """Validate token ids against the model and queue. Raises InvalidRequestError; nothing is allocated then."""
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
@@ -75,6 +79,7 @@ class EngineCore:
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         first = self._new_request(request_id, list(prompt_ids), params, max_tokens, 0)
+        first.cache_salt = cache_salt
         first.siblings_pending = params.n - 1
         self._requests[request_id] = [first]
         self._n[request_id] = (params, max_tokens)
@@ -117,6 +122,8 @@ class EngineCore:
         fwd = self.runner.forward(plan)
         for req, n in plan.chunks:
             req.num_computed_tokens += n
+        if self.prefix is not None:
+            self.prefix.commit([c.request for c in plan.chunks])
         rows, reqs = self._fork_siblings(fwd.sampled)
         sample = self.sampler.sample(fwd.logits[rows], [r.sampling for r in reqs])
         outputs = [self._append_token(r, t, lp) for r, t, lp in zip(reqs, sample.token_ids, sample.logprobs)]
@@ -138,7 +145,8 @@ class EngineCore:
         if status is not None:
             self.scheduler.finish(req, status)
             req.finish_reason = status.value
-        return CoreOutput(req.request_id, req.index, token, logprob, req.finish_reason, stop_reason, req.prompt_len)
+        return CoreOutput(req.request_id, req.index, token, logprob, req.finish_reason, stop_reason, req.prompt_len,
+                          req.num_cached_tokens)
 
     def _fork_siblings(self, sampled: list[Request]) -> tuple[list[int], list[Request]]:
         """n > 1: once a prompt is computed, the other n - 1 samples share its pages and copy its KDA state, and all
@@ -161,6 +169,7 @@ class EngineCore:
         req.siblings_pending -= 1
         child = self._new_request(req.request_id, req.prompt_ids, params, max_tokens,
                                   params.n - 1 - req.siblings_pending)
+        child.cache_salt = req.cache_salt
         self._requests[req.request_id].append(child)
         return child
 
@@ -184,6 +193,7 @@ class EngineCore:
             pages.copy_block(parent.block_ids[-1], block)
             child.block_ids = full + [block]
         child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
         child.status = RequestStatus.RUNNING
         self.scheduler.running.append(child)
         return True
@@ -199,7 +209,9 @@ class EngineCore:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": 1 - self.pages.num_free / self.pages.num_blocks,
                 "state_slot_usage": 1 - self.states.num_free / self.states.num_slots,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": self.prefix.num_queries if self.prefix else 0,
+                "prefix_cache_hits": self.prefix.num_hit_tokens if self.prefix else 0}
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -223,17 +235,30 @@ def _resolve_max_model_len(args: EngineArgs, config, pool_tokens: int) -> int:
     return min(limit, pool_tokens)
 
 
-def _size_pools(config, args: EngineArgs, dtype: torch.dtype) -> tuple[PagePool, StateSlots]:
-    """Give KDA state slots for max_num_seqs first (bounded by the budget), the rest to pages."""
+def _size_pools(config, args: EngineArgs, dtype: torch.dtype) -> tuple[PagePool, StateSlots, StateSlots | None]:
+    """Split the budget: KDA working slots for max_num_seqs first, then (with prefix caching) the state checkpoints,
+    then pages with the rest."""
     budget = args.kv_cache_memory_bytes
     slot_bytes = StateSlots.bytes_per_slot(config)
     block_bytes = PagePool.bytes_per_token(config, dtype) * args.block_size
     num_slots = args.max_num_seqs if slot_bytes == 0 else min(args.max_num_seqs, budget // slot_bytes)
-    num_blocks = (budget - num_slots * slot_bytes) // max(block_bytes, 1)
+    num_ckpt = 0
+    if args.enable_prefix_caching:
+        room = (budget - num_slots * slot_bytes) // slot_bytes if slot_bytes else 4 * args.max_num_seqs
+        if args.max_state_checkpoints is not None and args.max_state_checkpoints > room:
+            raise ConfigError(f"max_state_checkpoints {args.max_state_checkpoints} does not fit kv_cache_memory "
+                              f"after {num_slots} working slots (room for {room})")
+        default = min(4 * args.max_num_seqs, max(1, int(0.2 * budget) // max(slot_bytes, 1)), room)
+        num_ckpt = args.max_state_checkpoints or default
+        if num_ckpt == 0:
+            log.warning("prefix caching is off: kv_cache_memory leaves no room for a KDA state checkpoint")
+    num_blocks = (budget - (num_slots + num_ckpt) * slot_bytes) // max(block_bytes, 1)
     if num_slots < 1 or num_blocks < 1:
         raise ConfigError(f"kv_cache_memory of {budget} bytes is too small: one KDA state slot needs {slot_bytes} "
-                          f"bytes and one page of {args.block_size} tokens needs {block_bytes} bytes")
-    log.info("cache: %d KDA state slots (%d B each), %d pages of %d tokens = %d tokens (%d B per token)",
-             num_slots, slot_bytes, num_blocks, args.block_size, num_blocks * args.block_size,
-             block_bytes // args.block_size)
-    return PagePool(config, num_blocks, args.block_size, dtype), StateSlots(config, num_slots)
+                          f"bytes ({num_ckpt} prefix-cache checkpoints need as many) and one page of "
+                          f"{args.block_size} tokens needs {block_bytes} bytes")
+    log.info("cache memory: %d KDA working slots + %d state checkpoints (%d B each), %d pages of %d tokens = %d "
+             "tokens (%d B per token)", num_slots, num_ckpt, slot_bytes, num_blocks, args.block_size,
+             num_blocks * args.block_size, block_bytes // args.block_size)
+    checkpoints = StateSlots(config, num_ckpt) if num_ckpt else None
+    return PagePool(config, num_blocks, args.block_size, dtype), StateSlots(config, num_slots), checkpoints

@@ -29,6 +29,7 @@ class LLMEngine:
     runner = property(lambda self: self.core.runner)
     pages = property(lambda self: self.core.pages)
     states = property(lambda self: self.core.states)
+    prefix = property(lambda self: self.core.prefix)
     max_model_len = property(lambda self: self.core.max_model_len)
 
     @property
@@ -39,11 +40,13 @@ class LLMEngine:
     def eos_ids(self, ids: set[int]) -> None:
         self.core.eos_ids = self.processor.eos_ids = set(ids)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Tokenise and queue. Raises InvalidRequestError naming the problem; nothing is allocated then."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Tokenise and queue. Raises InvalidRequestError naming the problem; nothing is allocated then.
+        Requests with different `cache_salt` never share prefix-cache pages."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self.core.add_request(request_id, ids, params)
+        self.core.add_request(request_id, ids, params, cache_salt)
         self.processor.add(request_id, prompt if isinstance(prompt, str) else None, ids, params)
 
     def abort_request(self, request_id: str) -> None:

@@ -43,6 +43,11 @@ class Request:
     state_slot: int | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cache_salt: str | None = None  # requests with different salts never share cached pages
+    block_hashes: list = field(default_factory=list)  # prefix-chain hash of each full page of known tokens
+    num_registered_blocks: int = 0  # leading pages already registered in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    prefix_match: int = 0  # cached pages found at admission (interval-aligned): a branch point worth a checkpoint
     siblings_pending: int = 0  # n - 1 completions still to fork from this request once its prompt is computed
     num_preemptions: int = 0
 

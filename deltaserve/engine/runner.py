@@ -40,7 +40,7 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
                 sampled.append(req)
         batch = StepBatch(torch.tensor(positions, dtype=torch.long, device=self.device), query_start, context_lens,
-                          self.cache, handles)
+                          self.cache, handles, list(plan.snapshots))
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, sample_rows, sampled
 
     @torch.inference_mode()

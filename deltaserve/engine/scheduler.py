@@ -11,6 +11,7 @@ from collections import deque
 from typing import NamedTuple
 
 from ..cache.page_pool import PagePool
+from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
 from .request import Request, RequestStatus
 
@@ -23,6 +24,7 @@ class ScheduledChunk(NamedTuple):
 class StepPlan(NamedTuple):
     chunks: list[ScheduledChunk]
     preempted: list[Request]
+    snapshots: list[list[tuple[int, int]]] = []  # per chunk: (offset, checkpoint slot) KDA snapshots to take
 
     @property
     def num_tokens(self) -> int:
@@ -31,8 +33,8 @@ class StepPlan(NamedTuple):
 
 class Scheduler:
     def __init__(self, pages: PagePool, states: StateSlots, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
-        self.pages, self.states = pages, states
+                 enable_chunked_prefill: bool = True, prefix: PrefixCache | None = None):
+        self.pages, self.states, self.prefix = pages, states, prefix
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
@@ -70,20 +72,28 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            remaining = req.num_tokens - req.num_computed_tokens
+            # A prefix hit (pages + KDA checkpoint) skips its tokens; nothing is reserved until admission.
+            hit, hit_pages = self.prefix.find_hit(req) if self.prefix is not None else (0, [])
+            remaining = req.num_tokens - hit
             if remaining > budget and not self.chunked_prefill:
                 break
             n = min(remaining, budget)
-            if not (self.states.can_allocate() and self._can_grow(req, n)):
+            new_pages = self.pages.blocks_needed(hit + n) - len(hit_pages)
+            revived = self.prefix.pages_to_revive(hit_pages) if self.prefix is not None else 0
+            if not (self.states.can_allocate() and self.pages.can_allocate(new_pages + revived)):
                 break
             self.waiting.popleft()
             req.state_slot = self.states.allocate()
+            if self.prefix is not None:
+                self.prefix.take_hit(req, hit, hit_pages)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._grow(req, n)
             chunks.append(ScheduledChunk(req, n))
             budget -= n
-        return StepPlan(chunks, preempted)
+        snapshots = [self.prefix.plan_snapshots(c.request, c.num_new_tokens) if self.prefix is not None else []
+                     for c in chunks]
+        return StepPlan(chunks, preempted, snapshots)
 
     def _blocks_to_add(self, req: Request, n: int) -> int:
         return max(0, self.pages.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids))
@@ -117,8 +127,9 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.block_ids:
-            self.pages.free(req.block_ids)
+            self.pages.free(req.block_ids[::-1])  # chain tails first: they are evicted first
             req.block_ids = []
+            req.num_registered_blocks = 0
         if req.state_slot is not None:
             self.states.free(req.state_slot)
             req.state_slot = None
@@ -131,6 +142,8 @@ class Scheduler:
                 refs[b] = refs.get(b, 0) + 1
         self.pages.check_integrity(refs)
         self.states.check_integrity({r.state_slot for r in self.running})
+        if self.prefix is not None:
+            self.prefix.check_integrity()
         for r in self.waiting:
             if r.block_ids or r.state_slot is not None:
                 raise AssertionError(f"waiting request {r.request_id} holds cache resources")

@@ -33,6 +33,10 @@ class ModelCache(ABC):
     @abstractmethod
     def read_mla(self, layer: int, handle: Any, length: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
+    def save_kda_checkpoint(self, layer: int, checkpoint: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Copy one KDA layer's state into prefix-cache checkpoint `checkpoint` (caches with checkpoints only)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state checkpoints")
+
 
 @dataclass
 class StepBatch:
@@ -43,6 +47,9 @@ class StepBatch:
     context_lens: list[int]  # [B] tokens already cached for each sequence before this step
     cache: ModelCache | None = None
     handles: list[Any] = field(default_factory=list)  # [B] per-sequence cache handles
+    # [B] per sequence: (offset within its rows, checkpoint id) where the KDA state is snapshotted for the prefix
+    # cache; offsets ascending, in (0, n_i]
+    kda_snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -50,6 +57,9 @@ class StepBatch:
 
     def rows(self, i: int) -> slice:
         return slice(self.query_start[i], self.query_start[i + 1])
+
+    def snapshots(self, i: int) -> list[tuple[int, int]]:
+        return self.kda_snapshots[i] if self.kda_snapshots else []
 
     def handle(self, i: int) -> Any:
         return self.handles[i] if self.handles else None

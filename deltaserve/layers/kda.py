@@ -53,26 +53,38 @@ class KimiDeltaAttention(nn.Module):
         for i in range(batch.num_seqs):
             rows = batch.rows(i)
             state = batch.cache.kda_state(self.layer, batch.handle(i)) if batch.cache is not None else None
-            conv_state = state[0] if state is not None else None
-            convs = []
-            for j, (inp, conv) in enumerate(((q_in, self.q_conv1d), (k_in, self.k_conv1d), (v_in, self.v_conv1d))):
-                y, new_window = short_conv(inp[rows], conv.weight.view(self.P, self.W),
-                                           None if conv_state is None else conv_state[j])
-                convs.append(y)
-                if conv_state is not None:
-                    conv_state[j].copy_(new_window)
-            T = rows.stop - rows.start
-            q = l2_normalize(convs[0].float().view(T, H, K))
-            k = l2_normalize(convs[1].float().view(T, H, K))
-            v = convs[2].float().view(T, H, K)
-            initial = state[1] if state is not None else None
-            run = kda_recurrent if T == 1 else kda_chunk
-            o, final = run(q, k, v, g[rows], beta[rows], K ** -0.5, initial)
-            if state is not None:
-                state[1].copy_(final)
-            core[rows] = o
+            # A prefix-cache snapshot is taken exactly at each requested offset: split the chunk there.
+            start = rows.start
+            for end_offset, checkpoint in batch.snapshots(i) + [(rows.stop - rows.start, None)]:
+                seg = slice(start, rows.start + end_offset)
+                if seg.stop > seg.start:
+                    core[seg] = self._segment(q_in[seg], k_in[seg], v_in[seg], g[seg], beta[seg], state)
+                if checkpoint is not None:
+                    batch.cache.save_kda_checkpoint(self.layer, checkpoint, *state)
+                start = seg.stop
         out = gated_rms_norm(core.to(x.dtype), gate.view(N, H, K), self.o_norm.weight, self.config.rms_norm_eps)
         return self.o_proj(out.reshape(N, self.P))
+
+
+    def _segment(self, q_in, k_in, v_in, g, beta, state) -> torch.Tensor:
+        """Short convs and the delta rule over consecutive tokens of one sequence; `state` (conv window,
+        recurrent state) is read and overwritten in place when given."""
+        H, K = self.H, self.K
+        T = q_in.shape[0]
+        convs = []
+        for j, (inp, conv) in enumerate(((q_in, self.q_conv1d), (k_in, self.k_conv1d), (v_in, self.v_conv1d))):
+            y, new_window = short_conv(inp, conv.weight.view(self.P, self.W), None if state is None else state[0][j])
+            convs.append(y)
+            if state is not None:
+                state[0][j].copy_(new_window)
+        q = l2_normalize(convs[0].float().view(T, H, K))
+        k = l2_normalize(convs[1].float().view(T, H, K))
+        v = convs[2].float().view(T, H, K)
+        run = kda_recurrent if T == 1 else kda_chunk
+        o, final = run(q, k, v, g, beta, K ** -0.5, None if state is None else state[1])
+        if state is not None:
+            state[1].copy_(final)
+        return o
 
 
 class _Conv(nn.Module):

@@ -99,8 +99,8 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._queues)
 
-    async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs until finished. Raises InvalidRequestError (rejected by the core) or
         EngineDeadError. Leaving the iteration early (client disconnect) aborts the request in the core."""
         if not self.healthy:
@@ -110,7 +110,7 @@ class EngineClient:
         self.processor.add(request_id, prompt, prompt_ids, params)
         finished = False
         try:
-            await self._to_core.send(encode(AddRequest(request_id, prompt_ids, params_to_dict(params))))
+            await self._to_core.send(encode(AddRequest(request_id, prompt_ids, params_to_dict(params), cache_salt)))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -71,12 +71,12 @@ def _sse(obj) -> str:
 
 
 async def _tracked(state: ServerState, request_id: str, prompt: str | None, ids: list[int],
-                   params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                   params: SamplingParams, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
     """Engine outputs with latency metrics recorded along the way."""
     start = last = time.monotonic()
     first = True
     final = None
-    async for out in state.engine.generate(request_id, prompt, ids, params):
+    async for out in state.engine.generate(request_id, prompt, ids, params, cache_salt):
         now = time.monotonic()
         if first:
             state.metrics.on_first_token(now - start)
@@ -148,7 +148,7 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
     n = params.n
-    streams = [_tracked(state, f"{rid}-{i}", text, ids, params) for i, (text, ids) in enumerate(inputs)]
+    streams = [_tracked(state, f"{rid}-{i}", text, ids, params, req.cache_salt) for i, (text, ids) in enumerate(inputs)]
 
     if not req.stream:
         finals = await asyncio.gather(*(_collect(s, raw) for s in streams))
@@ -255,7 +255,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
     # The parsers read the markers, so they must survive detokenisation; parsing happens on ids anyway.
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
-    stream = _tracked(state, rid, None, ids, params)
+    stream = _tracked(state, rid, None, ids, params, req.cache_salt)
     parser = parser_for(state.config, state.tokenizer)
 
     if not req.stream:

@@ -22,6 +22,7 @@ class AddRequest:
     request_id: str
     prompt_ids: list[int]
     params: dict  # SamplingParams fields
+    cache_salt: str | None = None
 
 
 @dataclass
