@@ -63,6 +63,13 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_shared_prefix(args: argparse.Namespace) -> int:
+    from .tools.bench import run_shared_prefix
+
+    print(run_shared_prefix(args))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="deltaserve")
@@ -105,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--runs", type=int, default=1)
     EngineArgs.add_cli_args(tp)
     tp.set_defaults(func=_bench_throughput)
+    sp = bench_sub.add_parser("shared-prefix", help="TTFT and hit rate with prefix caching on vs off")
+    sp.add_argument("--model", default=None)
+    sp.add_argument("--prefix-len", type=int, default=2000)
+    sp.add_argument("--question-len", type=int, default=200)
+    sp.add_argument("--num-requests", type=int, default=32)
+    EngineArgs.add_cli_args(sp)
+    sp.set_defaults(func=_bench_shared_prefix)
 
     args = parser.parse_args(argv)
     return args.func(args)

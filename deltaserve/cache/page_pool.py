@@ -33,6 +33,7 @@ class PagePool:
         self._by_hash: dict[bytes, int] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}  # collision guard for hash hits
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed pages, least recent first
+        self.num_evicted = 0
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -64,6 +65,7 @@ class PagePool:
         while len(self._free) < num_blocks:
             victim, _ = self._cached.popitem(last=False)
             self._forget(victim)
+            self.num_evicted += 1
             self._free.append(victim)
         blocks = [self._free.popleft() for _ in range(num_blocks)]
         for b in blocks:

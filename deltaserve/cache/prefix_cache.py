@@ -7,10 +7,11 @@ longest prefix for which both the pages and a checkpoint exist; on a hit the pag
 checkpoint is copied into the request's working slot. Checkpoints are capped and evicted LRU, before pages (pages
 are only evicted when a fresh one is needed); a page whose checkpoint is gone still serves a shorter hit.
 
-Where checkpoints are taken (so a chain does not flood the capped pool): at the last interval boundary each step's
-chunk crosses (a prompt's tail, the end of a long prefill chunk, a decode crossing a boundary), and at a request's
-branch point — the end of the pages it found cached when that is beyond its checkpoint hit — so the next request
-diverging at the same place hits there.
+Where checkpoints are taken (so a chain does not flood the capped pool): at the last TAIL_CHECKPOINTS interval
+boundaries each step's chunk crosses (a prompt's tail and just before it — a shared system prompt followed by a short
+question ends there —, the end of a long prefill chunk, a decode crossing a boundary), and at a request's branch
+point — the end of the pages it found cached when that is beyond its checkpoint hit — so the next request diverging
+at the same place hits there.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from .state_slots import StateSlots
 if TYPE_CHECKING:
     from ..engine.request import Request
 
+TAIL_CHECKPOINTS = 3
+
 
 class PrefixCache:
     def __init__(self, pages: PagePool, states: StateSlots, checkpoints: StateSlots, interval: int, model_id: str):
@@ -36,7 +39,7 @@ class PrefixCache:
         self.model_id = model_id
         self._ckpt: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> checkpoint slot, least recent first
         self._pending: dict[bytes, int] = {}  # checkpoints being written by the step in flight
-        self.num_queries = self.num_hit_tokens = 0
+        self.num_queries = self.num_hit_tokens = self.num_checkpoints_evicted = 0
 
     # ---- hashes ----
     def _root(self, salt: str | None) -> bytes:
@@ -95,10 +98,11 @@ class PrefixCache:
     # ---- checkpoints ----
     def plan_snapshots(self, req: Request, num_new: int) -> list[tuple[int, int]]:
         """Checkpoint slots to fill while computing tokens start..start+num_new-1 of the request: at the last
-        interval boundary the chunk crosses and at its branch point, unless that prefix already has one.
-        Returns (offset within the chunk, checkpoint slot), offsets ascending."""
+        TAIL_CHECKPOINTS interval boundaries the chunk crosses and at its branch point, unless that prefix already
+        has one. Returns (offset within the chunk, checkpoint slot), offsets ascending."""
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
-        wanted = {end // self.interval * self.interval, req.prefix_match}
+        last = end // self.interval * self.interval
+        wanted = {last - k * self.interval for k in range(TAIL_CHECKPOINTS)} | {req.prefix_match}
         hashes = self.block_hashes(req)
         plan = []
         for c in sorted(c for c in wanted if start < c <= end):
@@ -121,6 +125,7 @@ class PrefixCache:
         if not self._ckpt:
             return None  # every slot is being written this step
         _, slot = self._ckpt.popitem(last=False)
+        self.num_checkpoints_evicted += 1
         return slot
 
     def commit(self, reqs: list[Request]) -> None:

@@ -64,3 +64,45 @@ def run_throughput(args: argparse.Namespace) -> str:
             f"{k}={statistics.median(r[k] for r in runs):.3f} [min {min(r[k] for r in runs):.3f}, "
             f"max {max(r[k] for r in runs):.3f}]" for k in keys))
     return "\n".join(lines)
+
+
+def _shared_prefix_run(engine: LLMEngine, system: list[int], questions: list[list[int]], tag: str) -> dict:
+    """The first request alone (it fills the cache), then the others together; TTFT of the later ones."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ttft, cached = [], []
+    for group in ([questions[0]], questions[1:]):
+        start = time.perf_counter()
+        ids = [f"{tag}-{len(ttft) + i}" for i in range(len(group))]
+        for rid, q in zip(ids, group):
+            engine.add_request(rid, system + q, params)
+        seen: set[str] = set()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id not in seen:
+                    seen.add(out.request_id)
+                    ttft.append(time.perf_counter() - start)
+                if out.finished:
+                    cached.append(out.num_cached_tokens)
+    later = ttft[1:]
+    return {"first_ttft_s": ttft[0], "later_mean_ttft_s": statistics.mean(later),
+            "hit_rate": sum(cached[1:]) / (len(system) * len(later))}
+
+
+def run_shared_prefix(args: argparse.Namespace) -> str:
+    """Shared-prefix workload (BENCHMARKS.md): a long system prompt and short questions, caching on vs off."""
+    lines = []
+    results = {}
+    for caching in (True, False):
+        args.enable_prefix_caching = caching
+        engine = LLMEngine(EngineArgs.from_cli(args, args.model))
+        gen = torch.Generator().manual_seed(0)
+        vocab = engine.config.vocab_size
+        system = torch.randint(0, vocab, (args.prefix_len,), generator=gen).tolist()
+        questions = [torch.randint(0, vocab, (args.question_len,), generator=gen).tolist()
+                     for _ in range(args.num_requests)]
+        r = results[caching] = _shared_prefix_run(engine, system, questions, "on" if caching else "off")
+        lines.append(f"prefix caching {'on ' if caching else 'off'}: " + "  ".join(f"{k}={v:.3f}" for k, v in r.items()))
+    lines.insert(0, f"model={args.model} dtype={args.dtype} prefix_len={args.prefix_len} "
+                    f"question_len={args.question_len} requests={args.num_requests}")
+    lines.append(f"later-request TTFT off/on: {results[False]['later_mean_ttft_s'] / results[True]['later_mean_ttft_s']:.2f}x")
+    return "\n".join(lines)
