@@ -55,6 +55,15 @@ def build_app(state: ServerState) -> FastAPI:
         if length is not None and length.isdigit() and int(length) > state.max_request_bytes:
             return _error(413, f"request body of {length} bytes exceeds the limit of {state.max_request_bytes}",
                           "RequestTooLargeError")
+        if (length is None or not length.isdigit()) and request.method in ("POST", "PUT", "PATCH"):
+            # No usable Content-Length (e.g. chunked transfer encoding): count the body as it arrives.
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > state.max_request_bytes:
+                    return _error(413, f"request body exceeds the limit of {state.max_request_bytes} bytes",
+                                  "RequestTooLargeError")
+            request._body = bytes(body)  # replayed to the route by BaseHTTPMiddleware
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)

@@ -48,6 +48,7 @@ class EngineClient:
         self._probes: dict[int, asyncio.Future] = {}
         self._probe_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
+        self._dead: asyncio.Event | None = None
         self.on_outputs = None  # optional callback(list[CoreOutput], stats) for metrics
 
     # ---- lifecycle ----
@@ -68,6 +69,7 @@ class EngineClient:
         ready = await self._wait_ready(ready_timeout)
         self.max_model_len, self.vocab_size, self.eos_ids = ready.max_model_len, ready.vocab_size, set(ready.eos_ids)
         self.processor = OutputProcessor(self.tokenizer, self.eos_ids)
+        self._dead = asyncio.Event()
         self.healthy = True
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
 
@@ -86,7 +88,10 @@ class EngineClient:
         for t in self._tasks:
             t.cancel()
         if getattr(self, "proc", None) is not None and self.proc.is_alive():
-            await self._to_core.send(encode(Shutdown()))
+            try:
+                await self._send(Shutdown())
+            except EngineDeadError:
+                pass
             await asyncio.get_running_loop().run_in_executor(None, self.proc.join, timeout)
             if self.proc.is_alive():
                 self.proc.kill()
@@ -122,18 +127,39 @@ class EngineClient:
             if not finished:
                 self.processor.abort(request_id)
                 if self.healthy:
-                    await self._to_core.send(encode(AbortRequest(request_id)))
+                    try:
+                        await self._send(AbortRequest(request_id))
+                    except EngineDeadError:
+                        pass
 
     async def probe(self, timeout: float = 10.0) -> ProbeResult:
         """Stats and a pool integrity check from the core."""
+        if not self.healthy:
+            raise EngineDeadError("the engine is not running")
         pid = next(self._probe_ids)
         fut = asyncio.get_running_loop().create_future()
         self._probes[pid] = fut
-        await self._to_core.send(encode(Probe(pid)))
         try:
+            await self._send(Probe(pid))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._probes.pop(pid, None)
+
+    async def _send(self, msg) -> None:
+        """Send to the core, failing with EngineDeadError instead of blocking forever once the core is gone (a PUSH
+        socket whose only peer died blocks on send)."""
+        if not self.healthy or self._dead is None or self._dead.is_set():
+            raise EngineDeadError("the engine is not running")
+        send = asyncio.ensure_future(self._to_core.send(encode(msg)))
+        dead = asyncio.ensure_future(self._dead.wait())
+        try:
+            await asyncio.wait({send, dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dead.cancel()
+        if not send.done():
+            send.cancel()
+            raise EngineDeadError("the engine-core process died")
+        send.result()
 
     # ---- background tasks ----
     async def _receive(self) -> None:
@@ -168,6 +194,7 @@ class EngineClient:
         while self.proc.is_alive():
             await asyncio.sleep(0.2)
         self.healthy = False
+        self._dead.set()
         log.error("the engine-core process died (exit code %s); failing %d requests", self.proc.exitcode,
                   len(self._queues))
         err = EngineDeadError(f"the engine-core process died (exit code {self.proc.exitcode})")

@@ -22,8 +22,6 @@ from .metrics import Metrics
 from .parsers import parser_for
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 
-_DISCONNECT_POLL_S = 0.25
-
 
 @dataclass
 class ServerState:
@@ -48,6 +46,13 @@ class ServerState:
             raise InvalidRequestError(param, f"this model's maximum context length is {self.engine.max_model_len} "
                                              f"tokens, but the prompt has {len(ids)} tokens (at least one token "
                                              f"must be generated)")
+
+    def check_room(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        """As vLLM: a prompt plus an explicit max_tokens must fit the context."""
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.engine.max_model_len:
+            raise InvalidRequestError(param, f"this model's maximum context length is {self.engine.max_model_len} "
+                                             f"tokens; the prompt has {len(ids)} tokens and {params.max_tokens} "
+                                             f"more were requested")
 
     def render(self, req: ChatCompletionRequest) -> tuple[list[int], bool]:
         thinking, effort = req.thinking_settings()
@@ -93,20 +98,31 @@ async def _tracked(state: ServerState, request_id: str, prompt: str | None, ids:
 
 
 async def _collect(stream: AsyncIterator[RequestOutput], raw: Request) -> RequestOutput:
-    """The final output of a non-streamed request; a client that disconnects meanwhile aborts it."""
+    """The final output of a non-streamed request; a client that disconnects meanwhile aborts it.
+
+    The disconnect is awaited on `raw.receive()`: `Request.is_disconnected()` never reports one behind a
+    BaseHTTPMiddleware (the API key / size guard is one), see starlette discussion #2094."""
     async def last():
         out = None
         async for out in stream:
             pass
         return out
 
+    async def disconnected():
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
     task = asyncio.create_task(last())
-    while not task.done():
-        await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-        if not task.done() and await raw.is_disconnected():
+    watch = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client went away (or this handler was cancelled): abort in the engine
             task.cancel()
-            await stream.aclose()
-            raise asyncio.CancelledError("client disconnected")
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise asyncio.CancelledError("client disconnected")
     return task.result()
 
 
@@ -123,6 +139,15 @@ def _token_str(tok: Tokenizer, token_id: int) -> str:
 
 
 # ---------------------------------------------------------------- completions
+def _top_dict(tok: Tokenizer, top) -> dict[str, float]:
+    """Completions' top_logprobs {token string: logprob}. Distinct ids can decode alike (e.g. partial UTF-8 to
+    U+FFFD); the best (first, `top` is sorted) logprob is kept for such a string rather than the last."""
+    out: dict[str, float] = {}
+    for t, v in top:
+        out.setdefault(_token_str(tok, t), v)
+    return out
+
+
 def _completion_logprobs(tok: Tokenizer, token_ids: list[int], logprobs, offset: int) -> dict | None:
     if logprobs is None:
         return None
@@ -131,7 +156,7 @@ def _completion_logprobs(tok: Tokenizer, token_ids: list[int], logprobs, offset:
         s = _token_str(tok, tid)
         tokens.append(s)
         values.append(lp.logprob)
-        tops.append({_token_str(tok, t): v for t, v in lp.top} if lp.top else None)
+        tops.append(_top_dict(tok, lp.top) if lp.top else None)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -145,6 +170,8 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
         state.check_prompt(ids)
         inputs.append((p if isinstance(p, str) else state.tokenizer.decode(ids), ids))
     params = req.to_sampling_params(default_max_tokens=16)
+    for _, ids in inputs:
+        state.check_room(ids, params, "max_tokens")
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
     n = params.n
@@ -252,7 +279,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
     ids, thinking = state.render(req)
     state.check_prompt(ids, "messages")
     params = req.to_sampling_params(default_max_tokens=None)
-    # The parsers read the markers, so they must survive detokenisation; parsing happens on ids anyway.
+    state.check_room(ids, params, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
     stream = _tracked(state, rid, None, ids, params, req.cache_salt)
@@ -285,6 +312,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
         stream_parsers = {}
         seen: dict[int, int] = {}
         has_tools: dict[int, bool] = {}
+        pending_lps: dict[int, list[dict]] = {}
         final = None
 
         def chunk(choices: list[dict]) -> str:
@@ -305,12 +333,17 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
                     if c.finished:
                         deltas += sp.finish()
                     deltas = [d.to_openai() for d in deltas]
-                    lps = _chat_logprobs(state.tokenizer, new_ids, c.logprobs[start:] if c.logprobs else None)
+                    # Logprobs of tokens the parser holds back (no delta yet) ride on the next chunk of this choice.
+                    new_lps = _chat_logprobs(state.tokenizer, new_ids, c.logprobs[start:] if c.logprobs else None)
+                    pending = pending_lps.setdefault(c.index, [])
+                    pending += new_lps["content"] if new_lps else []
                     for d in deltas:
                         if d.get("tool_calls"):
                             has_tools[c.index] = True
+                        lps = {"content": pending} if pending else None
+                        pending = pending_lps[c.index] = []
                         yield chunk([{"index": c.index, "delta": d, "logprobs": lps, "finish_reason": None}])
-                        lps = None
+                    lps = {"content": pending} if pending else None
                     if c.finished:
                         finish = c.finish_reason
                         if has_tools.get(c.index) and finish == "stop":
