@@ -1,12 +1,7 @@
-"""Chat prompts -> token ids (chat.md §2–4).
-
-K3 / K3.1 ship no Jinja template: their XTML format (chat.md §3) is rendered natively, one segment at a time, so
-that structural markers are special ids while every piece of message, tool, attribute and option text is encoded
-with all specials disallowed (a literal `<|open|>` typed by a user stays ordinary text, §1.5). Text between two
-consecutive special ids is encoded as one piece, exactly as a tokenizer that splits the rendered string at the
-special tokens would encode it.
-
-Kimi-Linear / K2 checkpoints carry a Jinja `chat_template` (§4), rendered in a sandbox with `tools` passed through.
+"""Kimi K3 / K3.1 XTML chat renderer (chat.md §3), native: markers are special ids, all message, tool, attribute and
+option text is encoded with every special disallowed (a literal `<|open|>` typed by a user stays ordinary text,
+§1.5). Text between two consecutive special ids is encoded as one piece, exactly as a tokenizer that splits the
+rendered string at the special tokens would encode it.
 
 Byte-level choices that chat.md leaves open ([R] / "to be confirmed against encoding_k3") are marked `[R]` below;
 the golden test of chat.md §2 (ids from the checkpoint's own encoder) is the final word on them.
@@ -18,19 +13,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from ..tokenizer import Tokenizer
+from .base import _ROLES, ChatError, message_text
 
-from .config import ModelConfig
-from .errors import DeltaserveError
-from .tokenizer import Tokenizer
-
-
-class ChatError(DeltaserveError, ValueError):
-    """A conversation that cannot be rendered (unknown role, bad content part, no template, bad option)."""
-
-
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 THINKING_EFFORTS = ("low", "medium", "high", "max")
 # chat.md §3.2 item 2: the llama.cpp port defaults to `max` (so the message is always present in thinking mode) and
@@ -65,34 +50,6 @@ RESPONSE_FORMAT_JSON_SCHEMA_BODY = (
     f"The system is invoked with `response_format=json_schema`.\n{_RAW_JSON_SENTENCE}\n"
     "The JSON data must match the following schema:\n```json\n{schema}\n```"
 )
-
-
-# ------------------------------------------------------------------------------------------------------- helpers
-def message_text(message: Mapping) -> str:
-    """OpenAI content: a string, or a list of parts whose text parts are concatenated (chat.md §3.2 item 3).
-
-    Image parts would become `<|kimi_image_placeholder|>` (vision.md §6); images are not supported yet, so any
-    non-text part raises a ChatError naming the part.
-    """
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for i, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind != "text":
-                what = f"type {kind!r}" if kind is not None else repr(part)[:80]
-                raise ChatError(f"unsupported content part {i} ({what}) in a {message.get('role')!r} message: "
-                                "only text parts are supported (images are not supported yet)")
-            text = part.get("text", "")
-            if not isinstance(text, str):
-                raise ChatError(f"content part {i} of a {message.get('role')!r} message: 'text' must be a string")
-            texts.append(text)
-        return "".join(texts)
-    raise ChatError(f"message content must be a string or a list of parts, got {type(content).__name__}")
 
 
 def escape_attr(value: Any) -> str:
@@ -404,66 +361,3 @@ def render_k3(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool 
     if add_generation_prompt:
         out.open("message", [("role", "assistant")]).open("think" if thinking else "response")
     return out.ids
-
-
-# ------------------------------------------------------------------------------------------- K2 / Kimi-Linear
-def _template_message(m: Mapping) -> dict:
-    if not isinstance(m, Mapping):
-        raise ChatError(f"messages must be objects, got {type(m).__name__}")
-    if m.get("role") not in _ROLES:
-        raise ChatError(f"unsupported message role {m.get('role')!r}")
-    return {**m, "content": message_text(m)}
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    """transformers' `tojson` (the environment Kimi's templates are written for): plain json.dumps, no HTML escaping,
-    keys in given order, non-ASCII kept. Jinja's own filter would sort keys and escape `<`, `>`, `&`, `'`."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatError(f"chat template: {message}")
-
-
-def _template_env() -> ImmutableSandboxedEnvironment:
-    """A sandbox configured like transformers' apply_chat_template."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    return env
-
-
-def render_template(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, thinking: bool = True, **template_kwargs: Any) -> list[int]:
-    """K2-family prompt from the checkpoint's Jinja `chat_template` (chat.md §4), with `tools` passed through."""
-    if not tok.chat_template:
-        raise ChatError("this checkpoint has no chat template")
-    env = _template_env()
-    normalised = [_template_message(m) for m in messages]
-    try:
-        text = env.from_string(tok.chat_template).render(
-            messages=normalised, add_generation_prompt=add_generation_prompt, tools=tools or None,
-            thinking=thinking, enable_thinking=thinking, **template_kwargs)
-    except TemplateError as exc:
-        raise ChatError(f"the chat template failed: {exc}") from exc
-    # The template writes its markers as text; like transformers, encode the rendered string with specials on.
-    return tok.encode(text, allow_special=True)
-
-
-def render_chat(tok: Tokenizer, config: ModelConfig, messages: list[dict], add_generation_prompt: bool = True,
-                thinking: bool = True, tools: list[dict] | None = None, tool_choice: Any = None,
-                response_format: Any = None, thinking_effort: str | None = None) -> list[int]:
-    """Token ids of a conversation in the checkpoint's chat format, ending with the generation prompt.
-
-    K3: `tool_choice` is "auto"/None (nothing), "required", "none" or a named-function object (rendered as nothing,
-    [R]); `response_format` is None, {"type": "text"|"json_object"|"json_schema", ...}; `thinking_effort` is one of
-    low/medium/high/max, default max in thinking mode. K2 family: the Jinja template gets `tools` and `thinking`;
-    `tool_choice`, `response_format` and `thinking_effort` have no K2 rendering and are ignored.
-    """
-    if not messages:
-        raise ChatError("messages must not be empty")
-    if config.family == "kimi_k3":
-        return render_k3(tok, messages, add_generation_prompt, thinking, tools=tools, tool_choice=tool_choice,
-                         response_format=response_format, thinking_effort=thinking_effort)
-    return render_template(tok, messages, add_generation_prompt, tools=tools, thinking=thinking)
