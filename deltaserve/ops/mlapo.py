@@ -1,0 +1,249 @@
+"""MLAPO: fused MLA preprocess + latent / indexer-key cache write (ops.md §2; model.md §9.1, §9.3, §9.4).
+
+One call per MLA/DSA layer per step replaces the chain
+
+    q_a_proj → q_a_layernorm → q_b_proj   (or q_proj when q_lora_rank is None)
+    kv_a_proj_with_mqa → kv_a_layernorm(first r dims) | k_pe (the remaining ρ dims)
+    W_UK absorption of q_nope (q_lat = q_nopeᵀ W_UK per head)
+    indexer: wq_b(c_q), k_norm(wk x), weights_proj(x) · H_I^-1/2            (DSA layers only)
+    (K3) MLA output-gate logits g_proj(x)                                    (optional)
+    scatter of [c | k_pe] and the indexer key into paged caches at flat rows
+
+The fast path :func:`mla_preprocess` runs every projection that reads ``x`` (q_a_proj or q_proj,
+kv_a_proj_with_mqa, g_proj, indexer wk and weights_proj) as **one** GEMM on a weight concatenated once by
+:meth:`MLAWeights.fuse`, absorbs W_UK with one batched GEMM over heads and writes the cache rows directly; the
+per-head expanded keys/values (kv_b_proj on the latent) are never formed. :func:`mla_preprocess_ref` is the plain
+chain with one linear per weight, in the rounding order of :mod:`deltaserve.layers.mla` / ``layers.norm``.
+
+RoPE: Kimi models (K3, K3.1, Kimi-Linear) are NoPE and pass ``rotary=None``. With a ``rotary``
+(:class:`deltaserve.layers.rope.RotaryEmbedding`, DeepSeek V3/V3.2) q_pe and k_pe are rotated in the layer's
+interleaved form, and the indexer's first ``MLAWeights.index_rope_dim`` dims in the half-split form, both at
+``positions``; this mirrors the layer but is only lightly tested. Only bf16/fp32 caches (no C8 quantisation).
+
+Cache write: ``latent_cache [num_blocks, B, r+ρ]`` and ``index_cache [num_blocks, B, D_I]`` (PagePool tensors) at
+``out_rows [N]`` int64 flat rows ``block · B + offset``; rows < 0 are skipped (ops.md §0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["MLAWeights", "MLAPreOut", "mla_preprocess_ref", "mla_preprocess"]
+
+
+@dataclass
+class MLAWeights:
+    """Weights of one MLA/DSA layer in checkpoint layout ([out, in]); ``fuse()`` adds the concatenated forms."""
+
+    num_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    kv_lora_rank: int
+    v_head_dim: int
+    kv_a_proj: Tensor                   # [r + ρ, d]
+    kv_a_norm: Tensor                   # [r]
+    kv_b_proj: Tensor                   # [H (n + v), r]
+    q_a_proj: Tensor | None = None      # [r_q, d]      (q_lora_rank set)
+    q_a_norm: Tensor | None = None      # [r_q]
+    q_b_proj: Tensor | None = None      # [H (n + ρ), r_q]
+    q_proj: Tensor | None = None        # [H (n + ρ), d] (q_lora_rank None)
+    g_proj: Tensor | None = None        # [H v, d]      (K3 MLA output gate)
+    index_wq_b: Tensor | None = None    # [H_I D_I, r_q]
+    index_wk: Tensor | None = None      # [D_I, d]
+    index_k_norm_weight: Tensor | None = None   # [D_I]
+    index_k_norm_bias: Tensor | None = None     # [D_I]
+    index_weights_proj: Tensor | None = None    # [H_I, d]
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_dim: int = 0             # DeepSeek-V3.2 only; 0 for K3.1
+    # built by fuse()
+    w_a: Tensor | None = field(default=None, repr=False)      # [r_q | H(n+ρ), r+ρ, (H v), (D_I), (H_I)] × d
+    w_uk: Tensor | None = field(default=None, repr=False)     # [H, n, r]
+    split_a: tuple[int, ...] = field(default=(), repr=False)  # output widths of w_a's blocks
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_wk is not None
+
+    @property
+    def q_lora(self) -> bool:
+        return self.q_a_proj is not None
+
+    def fuse(self) -> "MLAWeights":
+        """Concatenate every weight that reads x into ``w_a`` and split ``W_UK`` out of ``kv_b_proj`` (once, at
+        load time). Returns self."""
+        first = self.q_a_proj if self.q_lora else self.q_proj
+        if first is None:
+            raise ValueError("MLAWeights needs q_a_proj (+ q_a_norm, q_b_proj) or q_proj")
+        blocks = [first, self.kv_a_proj]
+        if self.g_proj is not None:
+            blocks.append(self.g_proj)
+        if self.has_indexer:
+            blocks += [self.index_wk, self.index_weights_proj]
+        self.w_a = torch.cat([b.detach() for b in blocks], dim=0).contiguous()
+        self.split_a = tuple(b.shape[0] for b in blocks)
+        H, n, v = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
+        self.w_uk = self.kv_b_proj.detach().view(H, n + v, -1)[:, :n].contiguous()
+        return self
+
+    @classmethod
+    def from_layer(cls, layer) -> "MLAWeights":
+        """Copy (reference, no clone) the weights of a :class:`deltaserve.layers.mla.MLAttention`."""
+        c = layer.config
+        lora = c.q_lora_rank is not None
+        ix = layer.indexer
+        return cls(
+            num_heads=layer.H, qk_nope_head_dim=layer.n, qk_rope_head_dim=layer.rho, kv_lora_rank=layer.r,
+            v_head_dim=layer.v,
+            kv_a_proj=layer.kv_a_proj_with_mqa.weight.detach(), kv_a_norm=layer.kv_a_layernorm.weight.detach(),
+            kv_b_proj=layer.kv_b_proj.weight.detach(),
+            q_a_proj=layer.q_a_proj.weight.detach() if lora else None,
+            q_a_norm=layer.q_a_layernorm.weight.detach() if lora else None,
+            q_b_proj=layer.q_b_proj.weight.detach() if lora else None,
+            q_proj=None if lora else layer.q_proj.weight.detach(),
+            g_proj=layer.g_proj.weight.detach() if c.mla_use_output_gate else None,
+            index_wq_b=None if ix is None else ix.wq_b.weight.detach(),
+            index_wk=None if ix is None else ix.wk.weight.detach(),
+            index_k_norm_weight=None if ix is None else ix.k_norm.weight.detach(),
+            index_k_norm_bias=None if ix is None else ix.k_norm.bias.detach(),
+            index_weights_proj=None if ix is None else ix.weights_proj.weight.detach(),
+            index_n_heads=0 if ix is None else ix.heads, index_head_dim=0 if ix is None else ix.head_dim,
+            index_rope_dim=0 if ix is None else ix.rope_dim,
+        )
+
+
+class MLAPreOut(NamedTuple):
+    q_lat: Tensor                  # [N, H, r]   W_UK-absorbed q_nope
+    q_pe: Tensor                   # [N, H, ρ]   (rotated when rotary is given)
+    latent: Tensor                 # [N, r + ρ]  [RMSNorm(c) | k_pe]
+    c_q: Tensor | None             # [N, r_q]    post-norm (None without q_lora)
+    index_q: Tensor | None         # [N, H_I, D_I]
+    index_k: Tensor | None         # [N, D_I]    post-LayerNorm
+    index_w: Tensor | None         # [N, H_I]    fp32, scaled by H_I^-1/2
+    gate: Tensor | None = None     # [N, H v]    pre-sigmoid MLA output gate (K3)
+
+
+def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """layers.norm.RMSNorm order: w * round(x_f32 * rsqrt(mean x² + eps))."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
+    return F.layer_norm(x.float(), x.shape[-1:], w.float(), b.float(), eps).to(x.dtype)
+
+
+def _rope(q_pe: Tensor, k_pe: Tensor, iq: Tensor | None, ik: Tensor | None, weights: MLAWeights,
+          positions: Tensor | None, rotary) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    if rotary is None:
+        return q_pe, k_pe, iq, ik
+    from ..layers.rope import rotate_half_split, rotate_interleaved
+    if positions is None:
+        raise ValueError("rotary needs positions")
+    cos, sin = rotary.cos_sin(positions)
+    q_pe2 = rotate_interleaved(q_pe, cos.unsqueeze(1), sin.unsqueeze(1)).to(q_pe.dtype)
+    k_pe2 = rotate_interleaved(k_pe, cos, sin).to(q_pe.dtype)
+    r = weights.index_rope_dim
+    if iq is not None and r:
+        iq = torch.cat([rotate_half_split(iq[..., :r], cos.unsqueeze(1), sin.unsqueeze(1)).to(iq.dtype),
+                        iq[..., r:]], dim=-1)
+        ik = torch.cat([rotate_half_split(ik[..., :r], cos, sin).to(ik.dtype), ik[..., r:]], dim=-1)
+    return q_pe2, k_pe2, iq, ik
+
+
+def mla_preprocess_ref(x: Tensor, weights: MLAWeights, positions: Tensor | None = None, rotary=None,
+                       eps_q: float = 1e-6, eps_kv: float = 1e-6, eps_index: float = 1e-5,
+                       out_rows: Tensor | None = None, latent_cache: Tensor | None = None,
+                       index_cache: Tensor | None = None) -> MLAPreOut:
+    """Plain chain (one linear per weight) for ``x [N, d]``; see the module docstring for the outputs.
+
+    When ``out_rows`` is given, ``latent`` rows go to ``latent_cache`` and ``index_k`` rows to ``index_cache``
+    (if both exist), one row at a time, skipping rows < 0.
+    """
+    W = weights
+    N = x.shape[0]
+    H, n, rho, r = W.num_heads, W.qk_nope_head_dim, W.qk_rope_head_dim, W.kv_lora_rank
+    if W.q_lora:
+        c_q = _rms_norm(F.linear(x, W.q_a_proj), W.q_a_norm, eps_q)
+        q = F.linear(c_q, W.q_b_proj)
+    else:
+        c_q, q = None, F.linear(x, W.q_proj)
+    q = q.view(N, H, n + rho)
+    q_nope, q_pe = q[..., :n], q[..., n:]
+    ckv = F.linear(x, W.kv_a_proj)
+    c, k_pe = _rms_norm(ckv[:, :r], W.kv_a_norm, eps_kv), ckv[:, r:]
+    iq = ik = iw = None
+    if W.has_indexer:
+        iq = F.linear(c_q, W.index_wq_b).view(N, W.index_n_heads, W.index_head_dim)
+        ik = _layer_norm(F.linear(x, W.index_wk), W.index_k_norm_weight, W.index_k_norm_bias, eps_index)
+        iw = F.linear(x, W.index_weights_proj).float() * W.index_n_heads ** -0.5
+    q_pe, k_pe, iq, ik = _rope(q_pe, k_pe, iq, ik, W, positions, rotary)
+    w_uk = W.kv_b_proj.view(H, n + W.v_head_dim, r)[:, :n]
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+    latent = torch.cat([c, k_pe], dim=-1)
+    gate = F.linear(x, W.g_proj) if W.g_proj is not None else None
+    if out_rows is not None:
+        for i, row in enumerate(out_rows.tolist()):
+            if row < 0:
+                continue
+            if latent_cache is not None:
+                latent_cache.view(-1, latent_cache.shape[-1])[row] = latent[i]
+            if index_cache is not None and ik is not None:
+                index_cache.view(-1, index_cache.shape[-1])[row] = ik[i]
+    return MLAPreOut(q_lat, q_pe.contiguous(), latent, c_q, iq, ik, iw, gate)
+
+
+def mla_preprocess(x: Tensor, weights: MLAWeights, positions: Tensor | None = None, rotary=None,
+                   eps_q: float = 1e-6, eps_kv: float = 1e-6, eps_index: float = 1e-5,
+                   out_rows: Tensor | None = None, latent_cache: Tensor | None = None,
+                   index_cache: Tensor | None = None) -> MLAPreOut:
+    """Fast twin of :func:`mla_preprocess_ref` (same contract): one input GEMM on ``weights.w_a`` (built by
+    :meth:`MLAWeights.fuse`, called lazily on first use), batched W_UK absorption, vectorised cache scatter.
+    The page tensors must be contiguous (PagePool's are)."""
+    W = weights
+    if W.w_a is None:
+        W.fuse()
+    N = x.shape[0]
+    H, n, rho, r = W.num_heads, W.qk_nope_head_dim, W.qk_rope_head_dim, W.kv_lora_rank
+    # column blocks of the fused output are strided views; elementwise kernels on strided views run several
+    # times slower on CPU than one copy of the (small) activation, so make each block contiguous
+    parts = [p.contiguous() for p in torch.split(F.linear(x, W.w_a), W.split_a, dim=-1)]
+    first, ckv = parts[0], parts[1]
+    rest = parts[2:]
+    gate = rest.pop(0) if W.g_proj is not None else None
+    if W.q_lora:
+        c_q = _rms_norm(first, W.q_a_norm, eps_q)
+        q = F.linear(c_q, W.q_b_proj)
+    else:
+        c_q, q = None, first
+    q = q.view(N, H, n + rho)
+    q_nope, q_pe = q[..., :n], q[..., n:]
+    c, k_pe = _rms_norm(ckv[:, :r].contiguous(), W.kv_a_norm, eps_kv), ckv[:, r:]
+    iq = ik = iw = None
+    if W.has_indexer:
+        k_raw, w_raw = rest
+        iq = F.linear(c_q, W.index_wq_b).view(N, W.index_n_heads, W.index_head_dim)
+        ik = _layer_norm(k_raw, W.index_k_norm_weight, W.index_k_norm_bias, eps_index)
+        iw = w_raw.float() * W.index_n_heads ** -0.5
+    q_pe, k_pe, iq, ik = _rope(q_pe, k_pe, iq, ik, W, positions, rotary)
+    # absorption as one batched GEMM over heads: [H, N, n] × [H, n, r] -> [H, N, r]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), W.w_uk).transpose(0, 1)
+    latent = torch.cat([c, k_pe], dim=-1)
+    if out_rows is not None and (latent_cache is not None or (index_cache is not None and ik is not None)):
+        rows = torch.as_tensor(out_rows, dtype=torch.long, device=x.device)
+        keep = rows >= 0
+        if not bool(keep.all()):
+            sel = keep.nonzero().squeeze(1)
+            rows, lat_w, ik_w = rows[sel], latent[sel], None if ik is None else ik[sel]
+        else:
+            lat_w, ik_w = latent, ik
+        if latent_cache is not None:
+            latent_cache.view(-1, latent_cache.shape[-1]).index_copy_(0, rows, lat_w.to(latent_cache.dtype))
+        if index_cache is not None and ik_w is not None:
+            index_cache.view(-1, index_cache.shape[-1]).index_copy_(0, rows, ik_w.to(index_cache.dtype))
+    return MLAPreOut(q_lat, q_pe.contiguous(), latent, c_q, iq, ik, iw, gate)
