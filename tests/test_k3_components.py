@@ -188,9 +188,9 @@ def test_attn_res_sources_counted_in_the_model(k31):
     def spy(module, key):
         original = module.mix
 
-        def mix(sources):
+        def mix(sources, batch):
             seen[key].append(len(sources))
-            return original(sources)
+            return original(sources, batch)
 
         module.mix = mix
         patched.append(module)
@@ -209,7 +209,7 @@ def test_attn_res_sources_counted_in_the_model(k31):
             for layer in model.layers:
                 h = layer.forward_attn_res(h, bank, batch)
                 sizes.append(len(bank))
-            model.output_attn_res.mix(bank + [h])
+            model.output_attn_res.mix(bank + [h], batch)
     finally:
         for m in patched:
             del m.mix

@@ -28,6 +28,10 @@ class PagedCache(ModelCache):
     def kda_state(self, layer: int, handle: SeqHandle) -> tuple[torch.Tensor, torch.Tensor]:
         return self.states.state(layer, handle.slot)
 
+    def kda_slot_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self.states.layer_index[layer]
+        return self.states.conv[:, i], self.states.recurrent[:, i]
+
     def save_kda_checkpoint(self, layer: int, checkpoint: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         saved_conv, saved_rec = self.checkpoints.state(layer, checkpoint)
         saved_conv.copy_(conv)

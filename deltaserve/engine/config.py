@@ -35,6 +35,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     state_checkpoint_interval: int | None = None  # tokens between KDA checkpoints; default one block
     max_state_checkpoints: int | None = None  # default: 20% of kv_cache_memory, at most 4 per sequence
+    ops: str = "fast"  # "reference" runs every op's readable twin (debugging)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -48,6 +49,8 @@ class EngineArgs:
                               f"({self.block_size}), got {self.state_checkpoint_interval}")
         if self.max_state_checkpoints is not None and self.max_state_checkpoints < 1:
             raise ConfigError(f"max_state_checkpoints must be >= 1, got {self.max_state_checkpoints}")
+        if self.ops not in ("fast", "reference"):
+            raise ConfigError(f"ops must be 'fast' or 'reference', got {self.ops!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
@@ -70,6 +73,8 @@ class EngineArgs:
                             help="tokens between KDA state checkpoints (a multiple of --block-size; default one block)")
         parser.add_argument("--max-state-checkpoints", type=int, default=None,
                             help="KDA state checkpoints kept for the prefix cache (default from memory)")
+        parser.add_argument("--ops", choices=["fast", "reference"], default=d.ops,
+                            help="op implementations; 'reference' switches every op to its readable twin")
         parser.add_argument("--seed", type=int, default=d.seed)
 
     @classmethod

@@ -19,6 +19,7 @@ from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
 from ..errors import ConfigError
 from ..models.loader import DTYPES, load_model
+from ..ops.opset import get_ops
 from ..tokenizer import load_tokenizer
 from .config import EngineArgs
 from .request import Request, RequestStatus
@@ -55,7 +56,7 @@ class EngineCore:
                                    str(model_path.resolve())) if self.checkpoints is not None else None)
         self.scheduler = Scheduler(self.pages, self.states, min(args.max_num_seqs, self.states.num_slots),
                                    args.max_num_batched_tokens, args.enable_chunked_prefill, self.prefix)
-        self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints))
+        self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints), get_ops(args.ops))
         self.sampler = Sampler(seed=args.seed)
         self.eos_ids = set(load_tokenizer(model_path).stop_token_ids(config.eos_token_ids))
         self._requests: dict[str, list[Request]] = {}

@@ -10,6 +10,7 @@ import torch
 from ..cache.paged_cache import PagedCache
 from ..layers.batch import StepBatch
 from ..models.base import CausalLM
+from ..ops.opset import OpSet
 from .request import Request
 from .scheduler import StepPlan
 
@@ -20,8 +21,8 @@ class ForwardOutput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: PagedCache):
-        self.model, self.cache = model, cache
+    def __init__(self, model: CausalLM, cache: PagedCache, ops: OpSet):
+        self.model, self.cache, self.ops = model, cache, ops
         self.device = next(model.parameters()).device
 
     def build_batch(self, plan: StepPlan) -> tuple[torch.Tensor, StepBatch, list[int], list[Request]]:
@@ -40,7 +41,7 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
                 sampled.append(req)
         batch = StepBatch(torch.tensor(positions, dtype=torch.long, device=self.device), query_start, context_lens,
-                          self.cache, handles, list(plan.snapshots))
+                          self.cache, handles, list(plan.snapshots), self.ops)
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, sample_rows, sampled
 
     @torch.inference_mode()

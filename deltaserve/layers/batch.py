@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..ops.opset import OpSet, get_ops
+
 
 class ModelCache(ABC):
     """Per-layer storage of the cross-token state of a hybrid model, addressed by an opaque per-sequence handle.
@@ -33,6 +35,11 @@ class ModelCache(ABC):
     @abstractmethod
     def read_mla(self, layer: int, handle: Any, length: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
+    def kda_slot_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One KDA layer's states of every slot ([slots, 3, P, W-1], [slots, H, K, V]) for batched in-place ops
+        addressed by `handle.slot`, or None when this cache keeps per-sequence state only."""
+        return None
+
     def save_kda_checkpoint(self, layer: int, checkpoint: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Copy one KDA layer's state into prefix-cache checkpoint `checkpoint` (caches with checkpoints only)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no state checkpoints")
@@ -50,6 +57,7 @@ class StepBatch:
     # [B] per sequence: (offset within its rows, checkpoint id) where the KDA state is snapshotted for the prefix
     # cache; offsets ascending, in (0, n_i]
     kda_snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
+    ops: OpSet = field(default_factory=lambda: get_ops("fast"))
 
     @property
     def num_seqs(self) -> int:

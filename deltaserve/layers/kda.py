@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.conv import short_conv
-from ..ops.kda import kda_chunk, kda_gate, kda_recurrent, l2_normalize
+from ..ops.kda import kda_gate, l2_normalize
 from .batch import StepBatch
 from .linear import Linear
 from .norm import gated_rms_norm
@@ -50,7 +49,15 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj(x) if self.config.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
         core = torch.empty(N, H, K, dtype=torch.float32, device=x.device)
-        for i in range(batch.num_seqs):
+        pool = batch.cache.kda_slot_pool(self.layer) if batch.cache is not None else None
+        decode = [i for i in range(batch.num_seqs)
+                  if pool is not None and batch.rows(i).stop - batch.rows(i).start == 1 and not batch.snapshots(i)]
+        if decode:  # single-token rows of every sequence at once, states updated in place in their slots
+            rows = torch.tensor([batch.rows(i).start for i in decode], device=x.device)
+            slots = torch.tensor([batch.handle(i).slot for i in decode], device=x.device)
+            core[rows] = self._decode_batched(q_in[rows], k_in[rows], v_in[rows], g[rows], beta[rows], pool, slots,
+                                              batch.ops)
+        for i in sorted(set(range(batch.num_seqs)) - set(decode)):
             rows = batch.rows(i)
             state = batch.cache.kda_state(self.layer, batch.handle(i)) if batch.cache is not None else None
             # A prefix-cache snapshot is taken exactly at each requested offset: split the chunk there.
@@ -58,7 +65,7 @@ class KimiDeltaAttention(nn.Module):
             for end_offset, checkpoint in batch.snapshots(i) + [(rows.stop - rows.start, None)]:
                 seg = slice(start, rows.start + end_offset)
                 if seg.stop > seg.start:
-                    core[seg] = self._segment(q_in[seg], k_in[seg], v_in[seg], g[seg], beta[seg], state)
+                    core[seg] = self._segment(q_in[seg], k_in[seg], v_in[seg], g[seg], beta[seg], state, batch.ops)
                 if checkpoint is not None:
                     batch.cache.save_kda_checkpoint(self.layer, checkpoint, *state)
                 start = seg.stop
@@ -66,21 +73,35 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(out.reshape(N, self.P))
 
 
-    def _segment(self, q_in, k_in, v_in, g, beta, state) -> torch.Tensor:
+    def _decode_batched(self, q_in, k_in, v_in, g, beta, pool, slots, ops) -> torch.Tensor:
+        """One token for each of n sequences: convs and the delta rule over their slots, in place."""
+        H, K, P = self.H, self.K, self.P
+        conv_pool, rec_pool = pool
+        weight = torch.cat([c.weight.view(P, self.W) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        window = conv_pool.view(conv_pool.shape[0], 3 * P, self.W - 1)  # a view: updates land in the pool
+        y = ops.short_conv_decode_batched(torch.cat([q_in, k_in, v_in], dim=-1), weight, window, slots)
+        n = y.shape[0]
+        q = l2_normalize(y[:, :P].float().view(n, H, K))
+        k = l2_normalize(y[:, P:2 * P].float().view(n, H, K))
+        v = y[:, 2 * P:].float().view(n, H, K)
+        return ops.kda_decode_batched(q, k, v, g, beta, K ** -0.5, rec_pool, slots)
+
+    def _segment(self, q_in, k_in, v_in, g, beta, state, ops) -> torch.Tensor:
         """Short convs and the delta rule over consecutive tokens of one sequence; `state` (conv window,
         recurrent state) is read and overwritten in place when given."""
         H, K = self.H, self.K
         T = q_in.shape[0]
         convs = []
         for j, (inp, conv) in enumerate(((q_in, self.q_conv1d), (k_in, self.k_conv1d), (v_in, self.v_conv1d))):
-            y, new_window = short_conv(inp, conv.weight.view(self.P, self.W), None if state is None else state[0][j])
+            y, new_window = ops.short_conv(inp, conv.weight.view(self.P, self.W),
+                                           None if state is None else state[0][j])
             convs.append(y)
             if state is not None:
                 state[0][j].copy_(new_window)
         q = l2_normalize(convs[0].float().view(T, H, K))
         k = l2_normalize(convs[1].float().view(T, H, K))
         v = convs[2].float().view(T, H, K)
-        run = kda_recurrent if T == 1 else kda_chunk
+        run = ops.kda_recurrent if T == 1 else ops.kda_chunk
         o, final = run(q, k, v, g, beta, K ** -0.5, None if state is None else state[1])
         if state is not None:
             state[1].copy_(final)

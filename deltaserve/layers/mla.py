@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.indexer import indexer_scores_ref, select_topk, selection_mask
-from ..ops.mla import mla_attention_absorbed, mla_attention_ref
+from ..ops.mla import mla_attention_ref
 from .batch import StepBatch
 from .linear import Linear
 from .norm import LayerNorm, RMSNorm
@@ -105,7 +105,7 @@ class MLAttention(nn.Module):
                 scores = indexer_scores_ref(iq[rows], keys, iw[rows])
                 allowed = selection_mask(select_topk(scores, pos, self.config.index_topk), S)
             # The absorbed form reads the latent directly (decode); expanded keys are cheaper for prefill chunks.
-            attend = mla_attention_absorbed if (batch.cache is not None and n_q == 1) else mla_attention_ref
+            attend = batch.ops.mla_decode if (batch.cache is not None and n_q == 1) else mla_attention_ref
             out[rows] = attend(q_nope[rows], q_pe[rows], latent[:, :self.r], latent[:, self.r:],
                                self.kv_b_proj.weight, self.v, self.scale, allowed)
         o = out.reshape(N, self.H * self.v)

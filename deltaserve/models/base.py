@@ -12,7 +12,6 @@ from ..layers.mla import MLAttention
 from ..layers.mlp import MLP
 from ..layers.moe import MoE
 from ..layers.norm import RMSNorm
-from ..ops.attn_res import attn_res_mix
 
 
 class AttnResQuery(nn.Module):
@@ -24,8 +23,8 @@ class AttnResQuery(nn.Module):
         self.norm = RMSNorm(dim, eps)
         self.eps = eps
 
-    def mix(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        return attn_res_mix(sources, self.proj.weight[0], self.norm.weight, self.eps)
+    def mix(self, sources: list[torch.Tensor], batch: StepBatch) -> torch.Tensor:
+        return batch.ops.attn_res_mix(sources, self.proj.weight[0], self.norm.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -51,13 +50,13 @@ class DecoderLayer(nn.Module):
     def forward_attn_res(self, p: torch.Tensor, bank: list[torch.Tensor], batch: StepBatch) -> torch.Tensor:
         """One layer of model.md §5.3. `p` is the current block's partial sum; `bank` is extended in place on a
         block-write layer. Returns the next partial sum."""
-        x = self.self_attention_res.mix(bank + [p]) if bank else p
+        x = self.self_attention_res.mix(bank + [p], batch) if bank else p
         write = self.config.attnres_write(self.layer)
         if write:
             bank.append(p)
         a = self.self_attn(self.input_layernorm(x), batch)
         p = a if write else p + a
-        y = self.mlp_res.mix(bank + [p])
+        y = self.mlp_res.mix(bank + [p], batch)
         return p + self.ffn(self.post_attention_layernorm(y))
 
 
@@ -90,7 +89,7 @@ class CausalLM(nn.Module):
         bank: list[torch.Tensor] = []
         for layer in self.layers:
             h = layer.forward_attn_res(h, bank, batch)
-        return self.output_attn_res.mix(bank + [h])
+        return self.output_attn_res.mix(bank + [h], batch)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits from pre-norm hidden states."""

@@ -1,0 +1,37 @@
+"""Op sets: every op the layers call, by name. `fast` is the default; `reference` swaps every op for its readable
+`*_ref` twin (same signatures), for debugging (`--ops reference`). Layers get the set through the StepBatch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import attn_res, conv, kda, kda_batched, mla
+
+
+@dataclass(frozen=True)
+class OpSet:
+    name: str
+    kda_chunk: Callable
+    kda_recurrent: Callable
+    short_conv: Callable
+    attn_res_mix: Callable
+    mla_decode: Callable  # attention of single-token queries over cached latents
+    kda_decode_batched: Callable  # one token of many sequences over their state slots, in place
+    short_conv_decode_batched: Callable
+
+
+OP_SETS: dict[str, OpSet] = {
+    "fast": OpSet("fast", kda.kda_chunk, kda.kda_recurrent, conv.short_conv, attn_res.attn_res_mix,
+                  mla.mla_attention_absorbed, kda_batched.kda_decode_batched,
+                  kda_batched.short_conv_decode_batched),
+    "reference": OpSet("reference", kda.kda_chunk_ref, kda.kda_recurrent_ref, conv.short_conv_ref,
+                       attn_res.attn_res_mix_ref, mla.mla_attention_ref, kda_batched.kda_decode_batched_ref,
+                       kda_batched.short_conv_decode_batched_ref),
+}
+
+
+def get_ops(name: str) -> OpSet:
+    if name not in OP_SETS:
+        raise ValueError(f"unknown op set {name!r}; choose from {', '.join(OP_SETS)}")
+    return OP_SETS[name]
