@@ -70,6 +70,13 @@ def _bench_shared_prefix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_ops(args: argparse.Namespace) -> int:
+    from .tools.bench_ops import run_ops_bench
+
+    print(run_ops_bench(args.repeats))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="deltaserve")
@@ -119,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--num-requests", type=int, default=32)
     EngineArgs.add_cli_args(sp)
     sp.set_defaults(func=_bench_shared_prefix)
+    ob = bench_sub.add_parser("ops", help="each fast op vs its reference twin at k31-small shapes")
+    ob.add_argument("--repeats", type=int, default=3)
+    ob.set_defaults(func=_bench_ops)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,6 +1,6 @@
 """AttnRes mixing over depth (model.md §5.2).
 
-`attn_res_mix_ref` is the readable formula; `attn_res_mix` computes the same with one einsum over all sources.
+`attn_res_mix_ref` is the readable formula; `attn_res_mix` computes the same with GEMVs and in-place accumulation.
 """
 
 import torch
@@ -27,11 +27,15 @@ def attn_res_mix_ref(sources: list[torch.Tensor], query: torch.Tensor, norm_weig
 
 def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """Same contract as `attn_res_mix_ref`, computed on one stacked [n, N, d] tensor."""
+    """Same contract as `attn_res_mix_ref`: each source's logit is one GEMV (V_i @ c) and one norm over the whole
+    flattened batch, and the mixture is accumulated in place (no stacked copy of the sources)."""
     if len(sources) == 1:
         return sources[0]
-    v = torch.stack(sources, 0).float()
     c = norm_weight.float() * query.float()
-    logits = torch.rsqrt(v.pow(2).mean(-1) + eps) * torch.einsum("snd,d->sn", v, c)
+    d = sources[0].shape[-1]
+    logits = torch.stack([torch.rsqrt(v.float().pow(2).sum(-1) / d + eps) * (v.float() @ c) for v in sources], 0)
     alpha = torch.softmax(logits, dim=0)
-    return torch.einsum("sn,snd->nd", alpha, v).to(sources[0].dtype)
+    out = sources[0].float() * alpha[0].unsqueeze(-1)
+    for a, v in zip(alpha[1:], sources[1:]):
+        out.addcmul_(v.float(), a.unsqueeze(-1))
+    return out.to(sources[0].dtype)
