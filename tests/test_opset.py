@@ -5,6 +5,7 @@ import torch
 
 from deltaserve import SamplingParams
 from deltaserve.layers.kda import KimiDeltaAttention
+from deltaserve.layers.mla import MLAttention
 from deltaserve.ops.opset import OP_SETS, get_ops
 from engine_utils import assert_pools_free, assert_same_greedy, make_llm, new_stats
 
@@ -33,12 +34,24 @@ def test_engine_greedy_output_is_the_same_with_reference_ops(make_checkpoint, pr
         return original(self, q_in, *args)
 
     monkeypatch.setattr(KimiDeltaAttention, "_decode_batched", spy)
+    sparse_calls = []
+    original_sparse = MLAttention._sparse_paged
+
+    def sparse_spy(self, *args):
+        sparse_calls.append(self.layer)
+        return original_sparse(self, *args)
+
+    monkeypatch.setattr(MLAttention, "_sparse_paged", sparse_spy)
     fast_llm = make_llm(path, max_num_batched_tokens=48)
     fast = fast_llm.generate(prompts, params, use_tqdm=False)
     assert max(batched_rows) > 1  # decode tokens of several sequences went through one batched op
+    # K3.1: every DSA layer ran QLI + QSFA over the pages (fast set); the reference set never does
+    assert bool(sparse_calls) == (fast_llm.engine.config.has_dsa)
+    sparse_calls.clear()
     ref_llm = make_llm(path, max_num_batched_tokens=48, ops="reference")
     ref = ref_llm.generate(prompts, params, use_tqdm=False)
     assert ref_llm.engine.runner.ops.name == "reference" and fast_llm.engine.runner.ops.name == "fast"
+    assert not sparse_calls
     stats = new_stats(f"ops fast vs reference {preset}")
     for p, a, b in zip(prompts, fast, ref):
         assert_same_greedy(a.outputs[0].token_ids, p, fast_llm.engine.model, stats)

@@ -28,6 +28,11 @@ class PagedCache(ModelCache):
     def kda_state(self, layer: int, handle: SeqHandle) -> tuple[torch.Tensor, torch.Tensor]:
         return self.states.state(layer, handle.slot)
 
+    def mla_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        latent = self.pages.latent[layer]
+        keys = self.pages.index_keys.get(layer)
+        return latent.view(-1, latent.shape[-1]), None if keys is None else keys.view(-1, keys.shape[-1])
+
     def kda_slot_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.states.layer_index[layer]
         return self.states.conv[:, i], self.states.recurrent[:, i]

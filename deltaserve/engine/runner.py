@@ -11,6 +11,7 @@ from ..cache.paged_cache import PagedCache
 from ..layers.batch import StepBatch
 from ..models.base import CausalLM
 from ..ops.opset import OpSet
+from ..ops.qli import StepIndexMeta, build_index_meta
 from .request import Request
 from .scheduler import StepPlan
 
@@ -40,9 +41,22 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 sample_rows.append(query_start[-1] - 1)
                 sampled.append(req)
-        batch = StepBatch(torch.tensor(positions, dtype=torch.long, device=self.device), query_start, context_lens,
-                          self.cache, handles, list(plan.snapshots), self.ops)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        batch = StepBatch(positions_t, query_start, context_lens, self.cache, handles, list(plan.snapshots), self.ops,
+                          self._index_meta(plan, positions_t, query_start))
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, sample_rows, sampled
+
+    def _index_meta(self, plan: StepPlan, positions: torch.Tensor, query_start: list[int]) -> StepIndexMeta | None:
+        """DSA metadata for the fast sparse path, built once per step and shared by every DSA layer."""
+        config = self.model.config
+        if not config.has_dsa or self.ops.name != "fast":
+            return None
+        tables = [torch.tensor(req.block_ids, dtype=torch.long) for req, _ in plan.chunks]
+        ctx_lens = [req.num_computed_tokens + n for req, n in plan.chunks]
+        seq_ids = torch.repeat_interleave(torch.arange(len(plan.chunks)),
+                                          torch.tensor([n for _, n in plan.chunks]))
+        return build_index_meta(tables, ctx_lens, seq_ids, positions, self.cache.pages.block_size,
+                                config.index_topk)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> ForwardOutput:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..ops.opset import OpSet, get_ops
+from ..ops.qli import StepIndexMeta
 
 
 class ModelCache(ABC):
@@ -34,6 +35,11 @@ class ModelCache(ABC):
 
     @abstractmethod
     def read_mla(self, layer: int, handle: Any, length: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def mla_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """One MLA layer's flat page rows (latent [rows, r + rho], indexer keys [rows, D_I] or None) for ops that
+        gather rows themselves, or None when this cache stores sequences contiguously."""
+        return None
 
     def kda_slot_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One KDA layer's states of every slot ([slots, 3, P, W-1], [slots, H, K, V]) for batched in-place ops
@@ -58,6 +64,7 @@ class StepBatch:
     # cache; offsets ascending, in (0, n_i]
     kda_snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
     ops: OpSet = field(default_factory=lambda: get_ops("fast"))
+    index_meta: StepIndexMeta | None = None  # DSA indexer metadata for paged fast ops, built once per step
 
     @property
     def num_seqs(self) -> int:

@@ -10,6 +10,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.indexer import indexer_scores_ref, select_topk, selection_mask
 from ..ops.mla import mla_attention_ref
+from ..ops.qli import qli_topk
+from ..ops.qsfa import qsfa
 from .batch import StepBatch
 from .linear import Linear
 from .norm import LayerNorm, RMSNorm
@@ -88,27 +90,50 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             iq, ik, iw = self.indexer.project(x, c_q, cos_sin)
 
-        out = x.new_empty(N, self.H, self.v)
-        for i in range(batch.num_seqs):
-            rows, ctx = batch.rows(i), batch.context_lens[i]
-            n_q = rows.stop - rows.start
-            if batch.cache is not None:
-                handle = batch.handle(i)
-                batch.cache.write_mla(self.layer, handle, ctx, latent_rows[rows], None if ik is None else ik[rows])
-                latent, keys = batch.cache.read_mla(self.layer, handle, ctx + n_q)
-            else:
-                latent, keys = latent_rows[rows], None if ik is None else ik[rows]
-            S = latent.shape[0]
-            pos = batch.positions[rows]
-            allowed = torch.arange(S, device=x.device).unsqueeze(0) <= pos.unsqueeze(1)
-            if self.indexer is not None and S > self.config.index_topk:
-                scores = indexer_scores_ref(iq[rows], keys, iw[rows])
-                allowed = selection_mask(select_topk(scores, pos, self.config.index_topk), S)
-            # The absorbed form reads the latent directly (decode); expanded keys are cheaper for prefill chunks.
-            attend = batch.ops.mla_decode if (batch.cache is not None and n_q == 1) else mla_attention_ref
-            out[rows] = attend(q_nope[rows], q_pe[rows], latent[:, :self.r], latent[:, self.r:],
-                               self.kv_b_proj.weight, self.v, self.scale, allowed)
+        if batch.cache is not None:
+            for i in range(batch.num_seqs):
+                rows = batch.rows(i)
+                batch.cache.write_mla(self.layer, batch.handle(i), batch.context_lens[i], latent_rows[rows],
+                                      None if ik is None else ik[rows])
+        pages = batch.cache.mla_pages(self.layer) if batch.cache is not None else None
+        if self.indexer is not None and batch.index_meta is not None and pages is not None:
+            out = self._sparse_paged(q_nope, q_pe, iq, iw, pages, batch)
+        else:
+            out = self._per_sequence(q_nope, q_pe, latent_rows, iq, ik, iw, batch)
         o = out.reshape(N, self.H * self.v)
         if self.config.mla_use_output_gate:
             o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
         return self.o_proj(o)
+
+    def _per_sequence(self, q_nope, q_pe, latent_rows, iq, ik, iw, batch: StepBatch) -> torch.Tensor:
+        """Reference path: per sequence, read its latents (and indexer keys), select with the dense indexer
+        scores, attend (expanded form for chunks, the op set's decode form for single tokens)."""
+        out = q_nope.new_empty(q_nope.shape[0], self.H, self.v)
+        for i in range(batch.num_seqs):
+            rows, ctx = batch.rows(i), batch.context_lens[i]
+            n_q = rows.stop - rows.start
+            if batch.cache is not None:
+                latent, keys = batch.cache.read_mla(self.layer, batch.handle(i), ctx + n_q)
+            else:
+                latent, keys = latent_rows[rows], None if ik is None else ik[rows]
+            S = latent.shape[0]
+            pos = batch.positions[rows]
+            allowed = torch.arange(S, device=q_nope.device).unsqueeze(0) <= pos.unsqueeze(1)
+            if self.indexer is not None and S > self.config.index_topk:
+                scores = indexer_scores_ref(iq[rows], keys, iw[rows])
+                allowed = selection_mask(select_topk(scores, pos, self.config.index_topk), S)
+            attend = batch.ops.mla_decode if (batch.cache is not None and n_q == 1) else mla_attention_ref
+            out[rows] = attend(q_nope[rows], q_pe[rows], latent[:, :self.r], latent[:, self.r:],
+                               self.kv_b_proj.weight, self.v, self.scale, allowed)
+        return out
+
+    def _sparse_paged(self, q_nope, q_pe, iq, iw, pages, batch: StepBatch) -> torch.Tensor:
+        """Fast DSA path over the whole step: QLI picks each query's top-k page rows (causal bound inside the op,
+        metadata shared by all DSA layers), QSFA attends over only those rows in the absorbed form."""
+        latent_pages, key_pages = pages
+        selected = qli_topk(iq, iw, key_pages, None, batch.index_meta, quantized=False, rotate=False)
+        w = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w[:, :self.n])
+        out_lat, _ = qsfa(q_lat, q_pe, latent_pages, selected, self.scale)
+        return torch.einsum("thr,hvr->thv", out_lat.to(q_nope.dtype), w[:, self.n:])
+
