@@ -1,21 +1,15 @@
-"""The default model: until a trained model ships, the `k31-tiny` preset written once into the cache folder."""
+"""The default model: a small K3.1-architecture model trained on the Python standard library, shipped inside the
+package (deltaserve/data/default_model/, preset `k31-stdlib`, trained by `deltaserve.tools.train`)."""
 
 from pathlib import Path
 
-from . import envs
-
-DEFAULT_PRESET = "k31-tiny"
+DEFAULT_PRESET = "k31-stdlib"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "data" / "default_model"
 
 
 def default_model_path() -> Path:
-    """Folder of the default checkpoint, written on first use (a complete folder has config.json last)."""
-    from .tools.make_model import write_checkpoint
-    from .tools.presets import get_preset
-
-    path = envs.cache_dir() / "models" / DEFAULT_PRESET
-    if not path.is_dir():
-        # Write beside the final name, then rename: an interrupted write never looks like a complete model.
-        tmp = path.with_name(path.name + ".partial")
-        write_checkpoint(get_preset(DEFAULT_PRESET), tmp)
-        tmp.rename(path)
-    return path
+    """Folder of the shipped default checkpoint (config.json, model.safetensors, tokenizer files)."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(f"the shipped default model is missing from {DEFAULT_MODEL_DIR}; "
+                                "reinstall deltaserve or pass a model folder")
+    return DEFAULT_MODEL_DIR

@@ -32,6 +32,7 @@ def test_multi_turn_chat_hits_and_matches_the_cold_run(make_checkpoint):
     cold = make_llm(path, enable_prefix_caching=False).engine
     stats = new_stats("multi-turn")
     conversation = _tokens(40, 1)
+    previous_len = 0
     for turn in range(4):
         a = _run(warm, conversation, _greedy(10), f"w{turn}")
         b = _run(cold, conversation, _greedy(10), f"c{turn}")

@@ -130,6 +130,11 @@ _SMALL = dict(hidden=1024, layers=16, heads=8, head_dim=128, q_lora=384, kv_lora
               dense_width=2048, experts=128, top_k=4, shared=1, expert_width=256, latent=512, block=4, mtp=1,
               max_len=131072)
 _SMALL_BPE = 32000 - 256
+# The shipped default model (deltaserve/data/default_model), trained by deltaserve.tools.train on the stdlib.
+_STDLIB = dict(hidden=192, layers=6, heads=4, head_dim=64, q_lora=128, kv_lora=128, nope=32, rope=32, v=64,
+               dense_width=576, experts=16, top_k=2, shared=1, expert_width=256, latent=128, block=3, mtp=0,
+               max_len=4096)
+_STDLIB_BPE = 4096 - 256
 _PRO = dict(hidden=7168, layers=93, heads=96, head_dim=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128,
             dense_width=33792, experts=896, top_k=16, shared=2, expert_width=3072, latent=3584, block=12, mtp=1,
             max_len=1048576)
@@ -187,6 +192,8 @@ PRESETS: dict[str, Preset] = {
                        _TINY_BPE),
     "k3-tiny": Preset("k3-tiny", _k3(_TINY, _TINY_BPE, None), "kimi_k3", _TINY_BPE),
     "kimi-linear-tiny": Preset("kimi-linear-tiny", _kimi_linear_tiny(), "kimi_linear", _TINY_BPE),
+    "k31-stdlib": Preset("k31-stdlib", _k3(_STDLIB, _STDLIB_BPE, {"heads": 8, "head_dim": 32, "topk": 128}),
+                         "kimi_k3", _STDLIB_BPE),
     "k31-small": Preset("k31-small", _k3(_SMALL, _SMALL_BPE, {"heads": 16, "head_dim": 64, "topk": 512}), "kimi_k3",
                         _SMALL_BPE),
     "k31-pro": Preset("k31-pro", _k3(_PRO, _PRO_BPE, {"heads": 32, "head_dim": 128, "topk": 2048}, mxfp4=True), "kimi_k3",

@@ -1,0 +1,354 @@
+"""Train a small K3.1-architecture model (KDA + DSA + AttnRes + latent MoE) on the Python standard library and
+write it in the real checkpoint layout. Used once to produce the shipped default model (deltaserve/data/).
+
+    python -m deltaserve.tools.train --out deltaserve/data/default_model --work /tmp/k31-train
+
+Steps: (1) corpus (deltaserve.tools.corpus), (2) byte-level BPE trained with `tokenizers`, exported as
+``tiktoken.model`` + ``tokenizer_config.json`` (kimi_k3 specials), (3) AdamW + cosine LR on random windows of the
+token stream, deterministic given ``--seed``; ``--work`` holds ``state.safetensors`` (model, optimiser, RNG, step) written
+every ``--ckpt-every`` steps, and the run resumes from it. Every checkpoint also exports the model folder through
+the normal writer (``make_model.checkpoint_tensors``), so an interrupted run still leaves usable weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import ModelConfig
+from ..layers.batch import StepBatch
+from .make_model import _save_sharded, build_random, checkpoint_tensors
+from .presets import get_preset
+from .tokenizer_files import _bpe_parts, tokenizer_config
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet used by `tokenizers`' ByteLevel pre-tokenizer."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def train_bpe_ranks(docs: list[str], num_bpe_ranks: int) -> dict[bytes, int]:
+    """Byte-level BPE learned by `tokenizers`, as tiktoken ranks: bytes 0..255, then merged tokens in merge order.
+
+    Pre-tokenisation uses the Kimi split regex, so the merges fit how tiktoken splits. A merge result that is a
+    duplicate or that tiktoken's rank-ordered BPE would never produce from its bytes is dropped (every written
+    token is reachable), and the list is cut at ``num_bpe_ranks``.
+    """
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    from ..tokenizer import KIMI_PAT_STR
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(vocab_size=num_bpe_ranks + 512, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    tok.train_from_iterator(docs, trainer)
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    dec = _byte_decoder()
+    ranks = {bytes([b]): b for b in range(256)}
+    for m in merges:
+        a, b = m if isinstance(m, list) else m.split(" ", 1)
+        merged = bytes(dec[c] for c in a + b)
+        if merged in ranks or _bpe_parts(merged, ranks) != 2:
+            continue
+        ranks[merged] = len(ranks)
+        if len(ranks) == num_bpe_ranks:
+            break
+    if len(ranks) < num_bpe_ranks:
+        raise ValueError(f"corpus gave only {len(ranks)} reachable tokens, asked for {num_bpe_ranks}")
+    return ranks
+
+
+def write_tokenizer(out: Path, ranks: dict[bytes, int], max_len: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"{base64.b64encode(t).decode('ascii')} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
+    (out / "tiktoken.model").write_text("".join(lines), encoding="ascii", newline="\n")
+    cfg = tokenizer_config("kimi_k3", len(ranks), model_max_length=max_len)
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
+                                               encoding="utf-8", newline="\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model, batches, evaluation
+
+
+def build_model(raw_config: dict, seed: int) -> tuple[torch.nn.Module, ModelConfig]:
+    config = ModelConfig.from_dict(json.loads(json.dumps(raw_config)))
+    return build_random(config, seed), config
+
+
+def step_batch(num_seqs: int, seq_len: int) -> StepBatch:
+    """Layout of ``num_seqs`` fresh sequences of ``seq_len`` tokens each, flattened."""
+    return StepBatch(torch.arange(seq_len).repeat(num_seqs), [i * seq_len for i in range(num_seqs + 1)],
+                     [0] * num_seqs)
+
+
+def sequence_loss(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over ``windows`` [B, T+1] (each row an independent sequence)."""
+    B, T1 = windows.shape
+    x = windows[:, :-1].reshape(-1)
+    y = windows[:, 1:].reshape(-1)
+    h = model(x, step_batch(B, T1 - 1))
+    return F.cross_entropy(model.compute_logits(h), y)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, ids: list[int] | torch.Tensor, seq_len: int = 256, max_tokens: int = 4096,
+             seqs_per_step: int = 4) -> float:
+    """Mean next-token loss (nats) on the first windows of ``ids``: consecutive non-overlapping windows of
+    ``seq_len`` + 1 tokens (stride ``seq_len``), ``max_tokens // seq_len`` of them; exp() of it is perplexity."""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    n = min(max_tokens // seq_len, (len(ids) - 1) // seq_len)
+    windows = torch.stack([ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
+    model.eval()
+    total = 0.0
+    for s in range(0, n, seqs_per_step):
+        w = windows[s : s + seqs_per_step]
+        total += sequence_loss(model, w).item() * w.shape[0]
+    return total / n
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def export_model(model: torch.nn.Module, config: ModelConfig, raw_config: dict, tokenizer_dir: Path, out: Path,
+                 dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
+    """Write the model folder (config.json, model.safetensors, tokenizer files) through the normal writer.
+    Written beside ``out`` and swapped in, so a crash never leaves a half-written folder."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    raw = json.loads(json.dumps(raw_config))
+    dt = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    raw["torch_dtype"] = dt
+    raw.get("text_config", raw)["torch_dtype"] = dt
+    _save_sharded(checkpoint_tensors(model, config, dtype), tmp, 2 << 30)
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_dir / name, tmp / name)
+    if extra:
+        (tmp / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], meta: dict, path: Path) -> None:
+    """Tensors to safetensors and everything else to JSON in the header (never pickle), replaced atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"json": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    with safe_open(path, "pt") as f:
+        meta = json.loads(f.metadata()["json"])
+        return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+
+def _save_training_state(path: Path, model, opt, gen: torch.Generator, info: dict) -> None:
+    """Model, AdamW moments and step counts, both RNG states, and progress: everything a resume needs."""
+    opt_sd = opt.state_dict()
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for idx, st in opt_sd["state"].items():
+        for key, value in st.items():
+            tensors[f"opt.{idx}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    tensors["rng.gen"] = gen.get_state()
+    tensors["rng.torch"] = torch.get_rng_state()
+    _atomic_save(tensors, {"param_groups": opt_sd["param_groups"], **info}, path)
+
+
+def _load_training_state(path: Path, model, opt, gen: torch.Generator) -> dict:
+    tensors, meta = _load(path)
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    state: dict[int, dict] = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, idx, key = k.split(".", 2)
+            state.setdefault(int(idx), {})[key] = v
+    opt.load_state_dict({"state": state, "param_groups": meta.pop("param_groups")})
+    gen.set_state(tensors["rng.gen"])
+    torch.set_rng_state(tensors["rng.torch"])
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training loop
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    p = (step - warmup) / max(1, steps - warmup)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
+
+
+def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: int, seq_len: int, lr: float,
+          seed: int, warmup: int = 20, weight_decay: float = 0.1, clip: float = 1.0, state_path: Path | None = None,
+          ckpt_every: int = 0, on_checkpoint=None, deadline: float | None = None, stop_at: int | None = None,
+          progress: bool = True, log: list | None = None) -> dict:
+    """Train in place on random windows of ``tokens``; deterministic in ``seed``; resumes from ``state_path``.
+
+    Returns {"step", "tokens_seen", "seconds", "losses"}. Stops early (after a checkpoint) at ``deadline``
+    (time.time() value) or after step ``stop_at``; the LR schedule always follows ``steps``."""
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(seed)
+    step, seconds, losses = 0, 0.0, []
+    if state_path is not None and state_path.exists():
+        st = _load_training_state(state_path, model, opt, gen)
+        step, seconds, losses = st["step"], st["seconds"], st["losses"]
+
+    def checkpoint() -> None:
+        info = {"step": step, "tokens_seen": step * batch * seq_len, "seconds": seconds, "losses": losses}
+        if state_path is not None:
+            _save_training_state(state_path, model, opt, gen, info)
+        if on_checkpoint is not None:
+            on_checkpoint(info)
+
+    model.train()
+    bar = tqdm(total=steps, initial=step, disable=not progress, dynamic_ncols=True, unit="step")
+    n = len(tokens) - seq_len - 1
+    while step < steps:
+        t0 = time.perf_counter()
+        starts = torch.randint(0, n, (batch,), generator=gen)
+        windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup)
+        loss = sequence_loss(model, windows)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        step += 1
+        dt = time.perf_counter() - t0
+        seconds += dt
+        losses.append(round(loss.item(), 4))
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{batch * seq_len / dt:.0f}",
+                        lr=f"{opt.param_groups[0]['lr']:.2e}")
+        if log is not None:
+            log.append(loss.item())
+        last = step == steps or step == stop_at or (deadline is not None and time.time() > deadline)
+        if (ckpt_every and step % ckpt_every == 0) or last:
+            checkpoint()
+        if last:
+            break
+    bar.close()
+    return {"step": step, "tokens_seen": step * batch * seq_len, "seconds": seconds, "losses": losses}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ..tokenizer import load_tokenizer
+    from . import corpus
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="k31-stdlib", help="shape preset (deltaserve.tools.presets)")
+    ap.add_argument("--out", type=Path, default=corpus.DATA_DIR / "default_model")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/deltaserve-train"), help="state, tokens, tokenizer")
+    ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--deadline", type=str, default=None, help="stop after this UTC time, HH:MM (checkpointed)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--write-validation", action="store_true", help="(re)write deltaserve/data/validation.txt")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    preset = get_preset(args.preset)
+    raw = preset.config
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.write_validation or not corpus.VALIDATION_PATH.exists():
+        corpus.DATA_DIR.mkdir(parents=True, exist_ok=True)
+        corpus.VALIDATION_PATH.write_text(corpus.build_validation_text(), encoding="utf-8")
+    tok_dir = args.work / "tokenizer"
+    if not (tok_dir / "tiktoken.model").exists():
+        t0 = time.time()
+        docs = corpus.training_documents()
+        ranks = train_bpe_ranks(docs, preset.num_bpe_ranks)
+        write_tokenizer(tok_dir, ranks, raw["text_config"]["model_max_length"])
+        print(f"tokenizer: {len(ranks)} BPE ranks from {len(docs)} files in {time.time() - t0:.0f}s")
+    tokenizer = load_tokenizer(tok_dir)
+    tok_path = args.work / "tokens.safetensors"
+    if not tok_path.exists():
+        docs = corpus.training_documents()
+        ids: list[int] = []
+        sep = tokenizer.encode(corpus.FILE_SEP)
+        for d in docs:
+            ids += tokenizer.encode(d) + sep
+        _atomic_save({"tokens": torch.tensor(ids, dtype=torch.int32)}, {}, tok_path)
+        print(f"corpus: {len(docs)} files, {sum(len(d.encode()) for d in docs)} bytes, {len(ids)} tokens")
+    tokens = _load(tok_path)[0]["tokens"].long()
+    val_ids = tokenizer.encode(corpus.validation_text())
+
+    model, config = build_model(raw, args.seed)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params; {len(tokens)} training tokens")
+    deadline = None
+    if args.deadline:
+        import datetime as _dt
+        hh, mm = map(int, args.deadline.split(":"))
+        now = _dt.datetime.now(_dt.timezone.utc)
+        deadline = now.replace(hour=hh, minute=mm, second=0, microsecond=0).timestamp()
+
+    def on_checkpoint(info: dict) -> None:
+        val = evaluate(model, val_ids, max_tokens=2048)
+        model.train()
+        extra = {"step": info["step"], "tokens_seen": info["tokens_seen"], "train_seconds": round(info["seconds"]),
+                 "seed": args.seed, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
+                 "steps_planned": args.steps, "val_loss_2048": round(val, 4),
+                 "train_loss_last50": round(sum(info["losses"][-50:]) / max(1, len(info["losses"][-50:])), 4)}
+        export_model(model, config, raw, tok_dir, args.out, extra=extra)
+        print(f"\ncheckpoint step {info['step']}: val loss {val:.3f} (ppl {math.exp(val):.1f}) -> {args.out}",
+              flush=True)
+
+    res = train(model, tokens, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                seed=args.seed, warmup=args.warmup, state_path=args.work / "state.safetensors", ckpt_every=args.ckpt_every,
+                on_checkpoint=on_checkpoint, deadline=deadline)
+    print(f"done: {res['step']} steps, {res['tokens_seen']} tokens, {res['seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

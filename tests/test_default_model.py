@@ -1,0 +1,106 @@
+"""The shipped default model (deltaserve/data/default_model): files, tokenizer, and validation perplexity against
+the figure in README.md ("Default model" section)."""
+
+import base64
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import deltaserve
+from deltaserve.config import ModelConfig
+from deltaserve.default_model import default_model_path
+from deltaserve.models.loader import load_config
+from deltaserve.tools import corpus
+from deltaserve.tools.make_model import build_random
+from deltaserve.tools.presets import get_preset
+from deltaserve.tools.tokenizer_files import _bpe_parts
+from deltaserve.tools.train import evaluate
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+EVAL_SEQ_LEN, EVAL_TOKENS = 256, 8192  # the fixed slice: the first 32 windows of 256(+1) validation tokens
+
+
+def _readme_figure(name: str) -> str:
+    m = re.search(rf"<!-- {name} -->\s*`?([^`\n<]+)`?", README.read_text(encoding="utf-8"))
+    assert m, f"README.md has no '<!-- {name} -->' figure"
+    return m.group(1).strip()
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def val_ids(model_dir):
+    return deltaserve.load_tokenizer(model_dir).encode(corpus.validation_text())
+
+
+def test_shipped_files(model_dir):
+    assert model_dir.is_relative_to(Path(deltaserve.__file__).resolve().parent)
+    for name in ("config.json", "model.safetensors", "tiktoken.model", "tokenizer_config.json"):
+        assert (model_dir / name).is_file(), name
+    size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    assert size < 50 * 2**20, size
+    assert corpus.VALIDATION_PATH.stat().st_size <= 310_000
+    # the shipped shape is the k31-stdlib preset, K3.1 (DSA) with every K3 part active
+    config = load_config(model_dir)
+    assert config.is_k31 and config.family == "kimi_k3"
+    assert ModelConfig.from_dict(get_preset("k31-stdlib").config).num_layers == config.num_layers
+
+
+def test_tokenizer_round_trips(model_dir):
+    tok = deltaserve.load_tokenizer(model_dir)
+    ranks = {}
+    for line in (model_dir / "tiktoken.model").read_text(encoding="ascii").splitlines():
+        b64, rank = line.split()
+        ranks[base64.b64decode(b64)] = int(rank)
+    assert sorted(ranks.values()) == list(range(len(ranks))) == list(range(get_preset("k31-stdlib").num_bpe_ranks))
+    for token, rank in ranks.items():
+        assert tok.decode_bytes([rank]) == token
+        assert len(token) == 1 or _bpe_parts(token, ranks) == 1  # tiktoken's BPE reaches it from its bytes
+    n = len(ranks)
+    assert tok.encode("[BOS]", allow_special=True) == [n]
+    assert tok.encode("<|end_of_msg|>", allow_special=True) == [n + 2]
+    text = 'def fibonacci(n):\n    """Return the n-th number."""\n    return n  # café 北京 😀\n'
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_validation_perplexity(model_dir, val_ids):
+    torch.manual_seed(0)
+    trained = deltaserve.load_model(model_dir, dtype="float32")
+    loss = evaluate(trained, val_ids, seq_len=EVAL_SEQ_LEN, max_tokens=EVAL_TOKENS)
+    fresh = build_random(load_config(model_dir), seed=0)
+    fresh_loss = evaluate(fresh, val_ids, seq_len=EVAL_SEQ_LEN, max_tokens=EVAL_TOKENS)
+    ppl, fresh_ppl = math.exp(loss), math.exp(fresh_loss)
+    print(f"validation perplexity: trained {ppl:.3f}, fresh {fresh_ppl:.1f}")
+    readme_ppl = float(_readme_figure("val-ppl"))
+    assert abs(ppl - readme_ppl) <= 0.05 * readme_ppl, (ppl, readme_ppl)
+    assert fresh_ppl >= 10 * ppl, (fresh_ppl, ppl)
+
+
+def greedy(model, tok, prompt: str, max_tokens: int) -> str:
+    ids = tok.encode(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            nxt = int(model.reference_logits(torch.tensor(ids + out)).float()[-1].argmax())
+            out.append(nxt)
+    return tok.decode(out)
+
+
+def test_readme_fibonacci_completion(model_dir):
+    """README shows the greedy completion of `def fibonacci(n):` as produced by `deltaserve generate`."""
+    model = deltaserve.load_model(model_dir, dtype="float32")
+    tok = deltaserve.load_tokenizer(model_dir)
+    text = README.read_text(encoding="utf-8")
+    m = re.search(r"<!-- fibonacci-completion -->\n```python\n(.*?)\n```", text, re.S)
+    assert m, "README.md has no fibonacci completion block"
+    shown = m.group(1)
+    assert shown.startswith("def fibonacci(n):")
+    completion = greedy(model, tok, "def fibonacci(n):", 48)
+    produced = "def fibonacci(n):" + completion
+    assert produced.startswith(shown) or shown.startswith(produced)

@@ -1,0 +1,90 @@
+"""deltaserve.tools.train: a few steps of a tiny K3.1 config lower the loss, are deterministic for a fixed seed,
+and resume from a checkpoint exactly; the BPE trainer's export loads through the normal tokenizer path."""
+
+import json
+
+import pytest
+import torch
+
+import deltaserve
+from deltaserve.default_model import default_model_path
+from deltaserve.tools import corpus
+from deltaserve.tools.presets import _TINY, k3_config, k3_text_config
+from deltaserve.tools.train import build_model, evaluate, export_model, train
+
+NUM_BPE = 4096 - 256  # the shipped tokenizer's size, so its ids feed the tiny model
+STEPS, BATCH, SEQ = 12, 2, 64  # SEQ > index_topk: DSA selection is active
+
+
+def _tiny_config() -> dict:
+    text = k3_text_config(**{**_TINY, "mtp": 0}, vocab=NUM_BPE + 256, num_bpe=NUM_BPE)
+    return k3_config(text, indexer={"heads": 4, "head_dim": 16, "topk": 16}, num_bpe=NUM_BPE)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    tok = deltaserve.load_tokenizer(default_model_path())
+    return torch.tensor(tok.encode(corpus.validation_text()[:20_000]), dtype=torch.long)
+
+
+def _run(tokens, seed, steps=STEPS, state_path=None, model=None, stop_at=None):
+    if model is None:
+        model, _ = build_model(_tiny_config(), seed)
+    res = train(model, tokens, steps=steps, batch=BATCH, seq_len=SEQ, lr=1e-2, seed=seed, warmup=2,
+                state_path=state_path, ckpt_every=5 if state_path else 0, stop_at=stop_at, progress=False)
+    return model, res
+
+
+def test_loss_goes_down_and_is_deterministic(tokens):
+    probe = tokens[: 4 * SEQ + 1]
+    model_a, _ = build_model(_tiny_config(), 0)
+    before = evaluate(model_a, probe, seq_len=SEQ, max_tokens=4 * SEQ)
+    model_a, res_a = _run(tokens, 0, model=model_a)
+    after = evaluate(model_a, probe, seq_len=SEQ, max_tokens=4 * SEQ)
+    assert after < before - 0.3, (before, after)
+    assert sum(res_a["losses"][-2:]) < sum(res_a["losses"][:2])
+    model_b, res_b = _run(tokens, 0)
+    assert res_a["losses"] == res_b["losses"]
+    for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
+        assert torch.equal(a, b), name
+    _, res_c = _run(tokens, 1)
+    assert res_c["losses"] != res_a["losses"]
+
+
+def test_resume_matches_uninterrupted(tokens, tmp_path):
+    state = tmp_path / "state.safetensors"
+    _, full = _run(tokens, 0)
+    _run(tokens, 0, state_path=state, stop_at=8)  # interrupted after step 8 (checkpoint at 5 and 8)
+    model, resumed = _run(tokens, 0, steps=STEPS, state_path=state)
+    assert resumed["step"] == STEPS
+    assert resumed["losses"] == full["losses"]
+
+
+def test_export_loads_through_normal_path(tokens, tmp_path):
+    raw = _tiny_config()
+    model, config = build_model(raw, 0)
+    src = default_model_path()
+    out = export_model(model, config, raw, src, tmp_path / "m", dtype=torch.float32)
+    loaded = deltaserve.load_model(out, dtype="float32")
+    ids = tokens[:40]
+    with torch.no_grad():
+        ref = model.reference_logits(ids)
+    assert torch.allclose(loaded.reference_logits(ids), ref, atol=1e-4, rtol=1e-4)
+    assert json.loads((out / "config.json").read_text())["text_config"]["dsa_config"]["index_topk"] == 16
+
+
+def test_bpe_trainer_export_round_trips(tmp_path):
+    pytest.importorskip("tokenizers")
+    from deltaserve.tools.train import train_bpe_ranks, write_tokenizer
+
+    text = corpus.validation_text()[:60_000]
+    ranks = train_bpe_ranks([text], 700)
+    assert len(ranks) == 700 and all(ranks[bytes([b])] == b for b in range(256))
+    write_tokenizer(tmp_path, ranks, 4096)
+    tok = deltaserve.load_tokenizer(tmp_path)
+    for token, rank in ranks.items():
+        assert tok.decode_bytes([rank]) == token
+    ids = tok.encode(text[:5000])
+    assert tok.decode(ids) == text[:5000]
+    assert len(ids) < 0.5 * len(text[:5000].encode())  # the merges actually compress
+    assert tok.encode("[BOS]", allow_special=True) == [700]
