@@ -1,16 +1,8 @@
-"""The only module that reads environment variables (cache folder and log level)."""
+"""The only module that reads environment variables."""
 
 import os
-from pathlib import Path
-
-
-def cache_dir() -> Path:
-    """Folder for files deltaserve writes once and reuses (e.g. the default model)."""
-    root = os.environ.get("DELTASERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "deltaserve"
-    )
-    return Path(root)
 
 
 def log_level() -> str:
+    """DELTASERVE_LOG_LEVEL: the logging level of the CLI, the server and the engine process (default WARNING)."""
     return os.environ.get("DELTASERVE_LOG_LEVEL", "WARNING").upper()
