@@ -61,3 +61,51 @@ def test_engine_greedy_output_is_the_same_with_reference_ops(make_checkpoint, pr
     stats.assert_rare()
     assert_pools_free(fast_llm.engine)
     assert_pools_free(ref_llm.engine)
+
+
+def test_int8_indexer_key_cache(make_checkpoint, monkeypatch):
+    """--index-cache-dtype int8: keys live Hadamard-rotated in int8 with a per-token scale, reads give them back in
+    model space within int8 rounding, and the engine's QLI selections over the 8-bit pages agree with selections
+    over the same keys dequantised (only the query's int8 rounding differs: ~1e-2 relative on the scores, so a row
+    may swap a key at a near-tie). Short prompts (every key selected) give exactly the fp32-cache tokens."""
+    from deltaserve.ops.qli import hadamard, qli_topk
+
+    path = make_checkpoint("k31-tiny")
+    g = torch.Generator().manual_seed(12)
+    exact = make_llm(path, max_num_batched_tokens=64)
+    q8 = make_llm(path, max_num_batched_tokens=64, index_cache_dtype="int8")
+    config, pages = q8.engine.config, q8.engine.pages
+    layer = config.dsa_layers[0]
+    assert pages.index_keys[layer].dtype == torch.int8 and pages.index_scales[layer].dtype == torch.float32
+    assert pages.bytes_per_token(config, torch.float32, True) < exact.engine.pages.bytes_per_token(config, torch.float32)
+    keys = torch.randn(5, config.index_head_dim, generator=g)
+    rows = torch.tensor([3, 17, 18, 40, 63])
+    pages.write(layer, rows, torch.zeros(5, pages.latent[layer].shape[-1]), keys)
+    _, back = pages.read(layer, rows)
+    assert (back - keys).abs().max() <= keys.abs().max() / 127
+
+    agree, total = [0], [0]
+    original = MLAttention._sparse_paged
+
+    def check(self, q_nope, q_pe, iq, iw, pages_, batch):
+        latent, key_rows, scales = pages_
+        if scales is None:  # the fp32-cache engine of this test
+            return original(self, q_nope, q_pe, iq, iw, pages_, batch)
+        fast = qli_topk(iq, iw, key_rows, scales, batch.index_meta, quantized=True, rotate=True)
+        dequant = hadamard(key_rows.float() * scales.unsqueeze(-1))
+        ref = qli_topk(iq, iw, dequant, None, batch.index_meta, quantized=False, rotate=False)
+        for a, b in zip(fast.tolist(), ref.tolist()):
+            agree[0] += set(a) == set(b)
+            total[0] += 1
+        return original(self, q_nope, q_pe, iq, iw, pages_, batch)
+
+    monkeypatch.setattr(MLAttention, "_sparse_paged", check)
+    long_prompts = [torch.randint(5, 700, (n,), generator=g).tolist() for n in (30, 45, 60)]
+    short_prompts = [torch.randint(5, 700, (n,), generator=g).tolist() for n in (8, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    q8.generate(long_prompts, params, use_tqdm=False)
+    assert total[0] > 100 and agree[0] >= 0.9 * total[0], (agree, total)
+    a = exact.generate(short_prompts, params, use_tqdm=False)
+    b = q8.generate(short_prompts, params, use_tqdm=False)
+    assert [x.outputs[0].token_ids for x in a] == [y.outputs[0].token_ids for y in b]
+    assert_pools_free(q8.engine)

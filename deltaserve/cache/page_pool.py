@@ -14,19 +14,25 @@ from collections import OrderedDict, deque
 import torch
 
 from ..config import ModelConfig
+from ..ops.qli import hadamard, write_index_keys
 
 
 class PagePool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", index_int8: bool = False):
         if num_blocks < 1:
             raise ValueError("the page pool needs at least one block")
         self.block_size, self.num_blocks = block_size, num_blocks
         width = config.kv_lora_rank + config.qk_rope_head_dim
         self.latent = {l: torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
                        for l in mla_cache_layers(config)}
-        self.index_keys = {l: torch.zeros(num_blocks, block_size, config.index_head_dim, dtype=dtype, device=device)
-                           for l in config.dsa_layers}
+        # Indexer keys: in the model dtype, or (index_int8) Hadamard-rotated int8 with one fp32 scale per token (QLI).
+        self.index_int8 = index_int8
+        key_dtype = torch.int8 if index_int8 else dtype
+        self.index_keys = {l: torch.zeros(num_blocks, block_size, config.index_head_dim, dtype=key_dtype,
+                                          device=device) for l in config.dsa_layers}
+        self.index_scales = ({l: torch.zeros(num_blocks, block_size, dtype=torch.float32, device=device)
+                              for l in config.dsa_layers} if index_int8 else {})
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
@@ -36,10 +42,11 @@ class PagePool:
         self.num_evicted = 0
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, index_int8: bool = False) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         latent = len(mla_cache_layers(config)) * (config.kv_lora_rank + config.qk_rope_head_dim)
-        return itemsize * (latent + len(config.dsa_layers) * config.index_head_dim)
+        key = config.index_head_dim + 4 if index_int8 else itemsize * config.index_head_dim
+        return itemsize * latent + len(config.dsa_layers) * key
 
     # ---- allocation ----
     @property
@@ -120,7 +127,7 @@ class PagePool:
         del self._tokens_of[block]
 
     def copy_block(self, src: int, dst: int) -> None:
-        for t in (*self.latent.values(), *self.index_keys.values()):
+        for t in (*self.latent.values(), *self.index_keys.values(), *self.index_scales.values()):
             t[dst].copy_(t[src])
 
     # ---- rows ----
@@ -133,14 +140,25 @@ class PagePool:
     def write(self, layer: int, rows: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         self.latent[layer].view(-1, latent.shape[-1])[rows] = latent.to(self.latent[layer].dtype)
         if index_keys is not None:
-            store = self.index_keys[layer]
-            store.view(-1, store.shape[-1])[rows] = index_keys.to(store.dtype)
+            keys, scales = self.key_rows(layer)
+            write_index_keys(index_keys, rows, keys, scales, quantized=self.index_int8, rotate=self.index_int8)
 
     def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Latent and indexer-key rows; 8-bit keys come back dequantised and rotated back (the Hadamard matrix
+        is its own inverse), so readers see keys in the model's own space."""
         lat = self.latent[layer]
-        keys = self.index_keys.get(layer)
-        return (lat.view(-1, lat.shape[-1])[rows],
-                None if keys is None else keys.view(-1, keys.shape[-1])[rows])
+        if layer not in self.index_keys:
+            return lat.view(-1, lat.shape[-1])[rows], None
+        keys, scales = self.key_rows(layer)
+        if self.index_int8:
+            return lat.view(-1, lat.shape[-1])[rows], hadamard(keys[rows].float() * scales[rows].unsqueeze(-1))
+        return lat.view(-1, lat.shape[-1])[rows], keys[rows]
+
+    def key_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat indexer-key rows of a DSA layer and, for the 8-bit cache, their per-token scales."""
+        keys = self.index_keys[layer]
+        scales = self.index_scales.get(layer)
+        return keys.view(-1, keys.shape[-1]), None if scales is None else scales.view(-1)
 
     # ---- integrity ----
     def check_integrity(self, used_refs: dict[int, int] | None = None) -> None:

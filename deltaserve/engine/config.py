@@ -36,6 +36,7 @@ class EngineArgs:
     state_checkpoint_interval: int | None = None  # tokens between KDA checkpoints; default one block
     max_state_checkpoints: int | None = None  # default: 20% of kv_cache_memory, at most 4 per sequence
     ops: str = "fast"  # "reference" runs every op's readable twin (debugging)
+    index_cache_dtype: str = "auto"  # DSA indexer keys: "auto" (model dtype) or "int8" (QLI: rotated, per-token scale)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -49,6 +50,8 @@ class EngineArgs:
                               f"({self.block_size}), got {self.state_checkpoint_interval}")
         if self.max_state_checkpoints is not None and self.max_state_checkpoints < 1:
             raise ConfigError(f"max_state_checkpoints must be >= 1, got {self.max_state_checkpoints}")
+        if self.index_cache_dtype not in ("auto", "int8"):
+            raise ConfigError(f"index_cache_dtype must be 'auto' or 'int8', got {self.index_cache_dtype!r}")
         if self.ops not in ("fast", "reference"):
             raise ConfigError(f"ops must be 'fast' or 'reference', got {self.ops!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -75,6 +78,8 @@ class EngineArgs:
                             help="KDA state checkpoints kept for the prefix cache (default from memory)")
         parser.add_argument("--ops", choices=["fast", "reference"], default=d.ops,
                             help="op implementations; 'reference' switches every op to its readable twin")
+        parser.add_argument("--index-cache-dtype", choices=["auto", "int8"], default=d.index_cache_dtype,
+                            help="DSA indexer key cache: the model dtype, or int8 after a Hadamard rotation")
         parser.add_argument("--seed", type=int, default=d.seed)
 
     @classmethod

@@ -36,9 +36,10 @@ class ModelCache(ABC):
     @abstractmethod
     def read_mla(self, layer: int, handle: Any, length: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
-    def mla_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """One MLA layer's flat page rows (latent [rows, r + rho], indexer keys [rows, D_I] or None) for ops that
-        gather rows themselves, or None when this cache stores sequences contiguously."""
+    def mla_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """One MLA layer's flat page rows (latent [rows, r + rho], indexer keys [rows, D_I] or None, and their
+        per-token scales when the keys are 8-bit) for ops that gather rows themselves, or None when this cache
+        stores sequences contiguously."""
         return None
 
     def kda_slot_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
