@@ -42,9 +42,18 @@ def test_engine_greedy_output_is_the_same_with_reference_ops(make_checkpoint, pr
         return original_sparse(self, *args)
 
     monkeypatch.setattr(MLAttention, "_sparse_paged", sparse_spy)
+    varlen_seqs = []
+    original_varlen = KimiDeltaAttention._prefill_varlen
+
+    def varlen_spy(self, q_in, k_in, v_in, g, beta, core, seqs, *args):
+        varlen_seqs.append(len(seqs))
+        return original_varlen(self, q_in, k_in, v_in, g, beta, core, seqs, *args)
+
+    monkeypatch.setattr(KimiDeltaAttention, "_prefill_varlen", varlen_spy)
     fast_llm = make_llm(path, max_num_batched_tokens=48)
     fast = fast_llm.generate(prompts, params, use_tqdm=False)
     assert max(batched_rows) > 1  # decode tokens of several sequences went through one batched op
+    assert max(varlen_seqs) > 1  # prefill chunks of several sequences went through one varlen op
     # K3.1: every DSA layer ran QLI + QSFA over the pages (fast set); the reference set never does
     assert bool(sparse_calls) == (fast_llm.engine.config.has_dsa)
     sparse_calls.clear()

@@ -57,7 +57,10 @@ class KimiDeltaAttention(nn.Module):
             slots = torch.tensor([batch.handle(i).slot for i in decode], device=x.device)
             core[rows] = self._decode_batched(q_in[rows], k_in[rows], v_in[rows], g[rows], beta[rows], pool, slots,
                                               batch.ops)
-        for i in sorted(set(range(batch.num_seqs)) - set(decode)):
+        prefill = [i for i in range(batch.num_seqs) if pool is not None and i not in decode]
+        if prefill:  # chunks of several sequences: varlen chunked ops over their slots
+            self._prefill_varlen(q_in, k_in, v_in, g, beta, core, prefill, pool, batch)
+        for i in sorted(set(range(batch.num_seqs)) - set(decode) - set(prefill)):
             rows = batch.rows(i)
             state = batch.cache.kda_state(self.layer, batch.handle(i)) if batch.cache is not None else None
             # A prefix-cache snapshot is taken exactly at each requested offset: split the chunk there.
@@ -85,6 +88,47 @@ class KimiDeltaAttention(nn.Module):
         k = l2_normalize(y[:, P:2 * P].float().view(n, H, K))
         v = y[:, 2 * P:].float().view(n, H, K)
         return ops.kda_decode_batched(q, k, v, g, beta, K ** -0.5, rec_pool, slots)
+
+    def _prefill_varlen(self, q_in, k_in, v_in, g, beta, core, seqs, pool, batch) -> None:
+        """Chunks of several sequences, states read and written in their slots. A chunk is cut at its prefix-cache
+        snapshot offsets; round r runs the r-th piece of every sequence in one varlen call (short convs per piece,
+        each from its slot's window), and a piece ending at a snapshot copies the slot's state into the checkpoint."""
+        H, K = self.H, self.K
+        conv_pool, rec_pool = pool
+        pieces = {}
+        for i in seqs:
+            rows, start, cuts = batch.rows(i), batch.rows(i).start, []
+            for end_offset, checkpoint in batch.snapshots(i) + [(rows.stop - rows.start, None)]:
+                cuts.append((start, rows.start + end_offset, checkpoint))
+                start = rows.start + end_offset
+            pieces[i] = cuts
+        for r in range(max(len(c) for c in pieces.values())):
+            active = [(i, pieces[i][r]) for i in seqs if r < len(pieces[i])]
+            run = [(i, a, b) for i, (a, b, _) in active if b > a]
+            if run:
+                qs, ks, vs, lengths = [], [], [], []
+                for i, a, b in run:
+                    slot = batch.handle(i).slot
+                    outs = []
+                    for j, (inp, conv) in enumerate(((q_in, self.q_conv1d), (k_in, self.k_conv1d),
+                                                     (v_in, self.v_conv1d))):
+                        y, window = batch.ops.short_conv(inp[a:b], conv.weight.view(self.P, self.W),
+                                                         conv_pool[slot, j])
+                        conv_pool[slot, j].copy_(window)
+                        outs.append(y)
+                    qs.append(l2_normalize(outs[0].float().view(b - a, H, K)))
+                    ks.append(l2_normalize(outs[1].float().view(b - a, H, K)))
+                    vs.append(outs[2].float().view(b - a, H, K))
+                    lengths.append(b - a)
+                index = torch.cat([torch.arange(a, b) for _, a, b in run])
+                cu = torch.tensor([0] + lengths).cumsum(0)
+                slots = torch.tensor([batch.handle(i).slot for i, _, _ in run])
+                core[index] = batch.ops.kda_prefill_varlen(torch.cat(qs), torch.cat(ks), torch.cat(vs), g[index],
+                                                           beta[index], K ** -0.5, cu, rec_pool, slots)
+            for i, (_, _, checkpoint) in active:
+                if checkpoint is not None:
+                    slot = batch.handle(i).slot
+                    batch.cache.save_kda_checkpoint(self.layer, checkpoint, conv_pool[slot], rec_pool[slot])
 
     def _segment(self, q_in, k_in, v_in, g, beta, state, ops) -> torch.Tensor:
         """Short convs and the delta rule over consecutive tokens of one sequence; `state` (conv window,
