@@ -48,11 +48,10 @@ class PrefixCache:
     def block_hashes(self, req: Request) -> list[bytes]:
         """Hashes of every full page of the request's known tokens, extended incrementally."""
         B = self.block_size
-        tokens = req.prompt_ids + req.output_ids
         hashes = req.block_hashes
         prev = hashes[-1] if hashes else self._root(req.cache_salt)
-        for j in range(len(hashes), len(tokens) // B):
-            block = tokens[j * B:(j + 1) * B]
+        for j in range(len(hashes), req.num_tokens // B):
+            block = req.token_slice(j * B, (j + 1) * B)
             prev = hashlib.sha256(prev + b"".join(t.to_bytes(4, "little") for t in block)).digest()
             hashes.append(prev)
         return hashes
@@ -64,10 +63,9 @@ class PrefixCache:
         reserved."""
         B = self.block_size
         hashes = self.block_hashes(req)
-        tokens = req.prompt_ids + req.output_ids
         pages: list[int] = []
         for j, h in enumerate(hashes[: (req.num_tokens - 1) // B]):  # always leave >= 1 token to compute
-            block = self.pages.lookup(h, tuple(tokens[j * B:(j + 1) * B]))
+            block = self.pages.lookup(h, tuple(req.token_slice(j * B, (j + 1) * B)))
             if block is None:
                 break
             pages.append(block)
@@ -136,10 +134,9 @@ class PrefixCache:
         B = self.block_size
         for req in reqs:
             hashes = self.block_hashes(req)
-            tokens = req.prompt_ids + req.output_ids
             full = min(req.num_computed_tokens // B, len(hashes))
             for j in range(req.num_registered_blocks, full):
-                self.pages.register(req.block_ids[j], hashes[j], tuple(tokens[j * B:(j + 1) * B]))
+                self.pages.register(req.block_ids[j], hashes[j], tuple(req.token_slice(j * B, (j + 1) * B)))
             req.num_registered_blocks = max(req.num_registered_blocks, full)
 
     def check_integrity(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,15 +33,12 @@ class Request:
     max_tokens: int  # resolved against max_model_len
     sampling: Any  # sampler.SamplingState: generator, penalty counts, min_tokens masking
     index: int = 0  # which of the n completions of its prompt
-    arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
     cache_salt: str | None = None  # requests with different salts never share cached pages
     block_hashes: list = field(default_factory=list)  # prefix-chain hash of each full page of known tokens
     num_registered_blocks: int = 0  # leading pages already registered in the prefix cache
@@ -59,11 +55,14 @@ class Request:
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
-    def token_at(self, pos: int) -> int:
-        return self.prompt_ids[pos] if pos < len(self.prompt_ids) else self.output_ids[pos - len(self.prompt_ids)]
-
     def token_slice(self, start: int, end: int) -> list[int]:
-        return (self.prompt_ids + self.output_ids)[start:end]
+        """Tokens start..end-1 of prompt + output, without concatenating the whole sequence (hot path)."""
+        P = len(self.prompt_ids)
+        if end <= P:
+            return self.prompt_ids[start:end]
+        if start >= P:
+            return self.output_ids[start - P:end - P]
+        return self.prompt_ids[start:] + self.output_ids[:end - P]
 
     @property
     def is_finished(self) -> bool:

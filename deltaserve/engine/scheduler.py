@@ -23,7 +23,6 @@ class ScheduledChunk(NamedTuple):
 
 class StepPlan(NamedTuple):
     chunks: list[ScheduledChunk]
-    preempted: list[Request]
     snapshots: list[list[tuple[int, int]]] = []  # per chunk: (offset, checkpoint slot) KDA snapshots to take
 
     @property
@@ -93,7 +92,7 @@ class Scheduler:
             budget -= n
         snapshots = [self.prefix.plan_snapshots(c.request, c.num_new_tokens) if self.prefix is not None else []
                      for c in chunks]
-        return StepPlan(chunks, preempted, snapshots)
+        return StepPlan(chunks, snapshots)
 
     def _blocks_to_add(self, req: Request, n: int) -> int:
         return max(0, self.pages.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids))
