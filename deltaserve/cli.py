@@ -1,4 +1,4 @@
-"""`deltaserve` command line: make-model, generate."""
+"""`deltaserve` command line: make-model, generate, serve, bench."""
 
 from __future__ import annotations
 
@@ -56,27 +56,6 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-def _bench_throughput(args: argparse.Namespace) -> int:
-    from .tools.bench import run_throughput
-
-    print(run_throughput(args))
-    return 0
-
-
-def _bench_shared_prefix(args: argparse.Namespace) -> int:
-    from .tools.bench import run_shared_prefix
-
-    print(run_shared_prefix(args))
-    return 0
-
-
-def _bench_ops(args: argparse.Namespace) -> int:
-    from .tools.bench_ops import run_ops_bench
-
-    print(run_ops_bench(args.repeats))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="deltaserve")
@@ -109,26 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_args(srv)
     srv.set_defaults(func=_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks that print numbers")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline throughput of the engine")
-    tp.add_argument("--model", default=None)
-    tp.add_argument("--num-prompts", type=int, default=8)
-    tp.add_argument("--input-len", type=int, default=128)
-    tp.add_argument("--output-len", type=int, default=128)
-    tp.add_argument("--runs", type=int, default=1)
-    EngineArgs.add_cli_args(tp)
-    tp.set_defaults(func=_bench_throughput)
-    sp = bench_sub.add_parser("shared-prefix", help="TTFT and hit rate with prefix caching on vs off")
-    sp.add_argument("--model", default=None)
-    sp.add_argument("--prefix-len", type=int, default=2000)
-    sp.add_argument("--question-len", type=int, default=200)
-    sp.add_argument("--num-requests", type=int, default=32)
-    EngineArgs.add_cli_args(sp)
-    sp.set_defaults(func=_bench_shared_prefix)
-    ob = bench_sub.add_parser("ops", help="each fast op vs its reference twin at k31-small shapes")
-    ob.add_argument("--repeats", type=int, default=3)
-    ob.set_defaults(func=_bench_ops)
+    from .tools.bench_cli import add_bench_parsers
+
+    add_bench_parsers(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)
