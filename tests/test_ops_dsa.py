@@ -186,8 +186,10 @@ def step():
     w = torch.randn(T, H, generator=g) * H ** -0.5
     meta = build_index_meta(tables, [c for c, _ in REQUESTS], seq_ids, positions, B, TOPK)
     k8, ks, kf = filled_caches(keys, rows)
+    f8, fs = torch.zeros(NUM_BLOCKS, B, D, dtype=torch.float8_e4m3fn), torch.zeros(NUM_BLOCKS, B)
+    write_index_keys(torch.cat(keys), torch.cat(rows), f8, fs, quantized=True, rotate=True)
     return dict(tables=tables, seq_ids=seq_ids, positions=positions, keys=keys, rows=rows, q=q, w=w,
-                meta=meta, k8=k8, ks=ks, kf=kf)
+                meta=meta, k8=k8, ks=ks, kf=kf, f8=f8, fs=fs)
 
 
 def test_meta_contents(step):
@@ -244,9 +246,13 @@ def _assert_same_up_to_near_ties(sel_a, sel_b, ref_scores, meta, rel=1e-5):
     return compared
 
 
-@pytest.mark.parametrize("quantized", [True, False])
-def test_qli_fast_matches_ref(step, quantized):
-    pages, scales = (step["k8"], step["ks"]) if quantized else (step["kf"], None)
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "none"])
+def test_qli_fast_matches_ref(step, fmt):
+    """Each key format against the twin: int8 (int32 dot products), the fp8 e4m3 variant (fp32 dot products of
+    e4m3 values) and unquantised keys."""
+    quantized = fmt != "none"
+    pages, scales = {"int8": (step["k8"], step["ks"]), "fp8": (step["f8"], step["fs"]),
+                     "none": (step["kf"], None)}[fmt]
     meta, q, w = step["meta"], step["q"], step["w"]
     fast = qli_topk(q, w, pages, scales, meta, quantized=quantized, key_block=16, query_block=5)
     ref = qli_topk_ref(q, w, pages, scales, meta, quantized=quantized)
@@ -255,9 +261,9 @@ def test_qli_fast_matches_ref(step, quantized):
     _check_selection(ref, meta)
     # the shared-precision scores, as the reference computes them
     if quantized:
-        q8, sq = quantize_index_queries(q)
+        q8, sq = quantize_index_queries(q, dtype=pages.dtype)
         q_used = q8.float() * sq.unsqueeze(-1)
-        kflat = step["k8"].view(-1, D).float() * step["ks"].view(-1, 1)
+        kflat = pages.view(-1, D).float() * scales.view(-1, 1)
     else:
         q_used, kflat = hadamard(q), step["kf"].view(-1, D)
     scores = [indexer_scores_ref(q_used[qi], kflat[meta.rows[b]], w[qi]) if qi.numel() else None

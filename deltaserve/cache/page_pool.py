@@ -1,7 +1,17 @@
 """PagePool: fixed-size pages of MLA latent rows and DSA indexer keys (serving.md §3.1).
 
-Every MLA/DSA layer owns a latent tensor [num_blocks, B, r + rho]; every DSA layer also owns an indexer-key tensor
-[num_blocks, B, D_I]. All of them are addressed by the same block ids: one block table per request.
+Every MLA/DSA layer owns a latent page tensor; every DSA layer also owns indexer-key pages. All of them are
+addressed by the same block ids: one block table per request.
+
+Formats (ops.md §9):
+  * latent, model dtype: [num_blocks, B, r + rho] holding [c | k_pe];
+  * latent, C8 (`latent_8bit` = torch.int8 or torch.float8_e4m3fn): one byte page [num_blocks, B, W] per layer in
+    FlashMLA's fused order — r 8-bit values, then r/128 fp32 tile scales, then rho k_pe values in the model dtype
+    (never quantised); W = 656 bytes at K3.1's r = 512, rho = 64 in bf16. The layer's `latent` entry is a
+    `C8Latent` of strided views into that page, so ops gather and dequantise only the rows they touch;
+  * indexer keys, model dtype: [num_blocks, B, D_I];
+  * indexer keys, 8-bit (`keys_8bit`): Hadamard-rotated values [num_blocks, B, D_I] plus one fp32 scale per token
+    [num_blocks, B] (132 bytes a token at D_I = 128, the budget of vLLM's fused page; kept as two tensors).
 Blocks are reference-counted so several requests (n > 1, the prefix cache) can share one. A full page registered
 under its prefix hash stays *cached* when its last holder lets go: it can be shared again by a later request with
 the same prefix, and is evicted least-recently-used only when a fresh page is needed.
@@ -15,24 +25,34 @@ import torch
 
 from ..config import ModelConfig
 from ..ops.qli import hadamard, write_index_keys
+from ..ops.qsfa import C8Latent, dequantize_latent, write_latent
 
 
 class PagePool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", index_int8: bool = False):
+                 device: str | torch.device = "cpu", latent_8bit: torch.dtype | None = None,
+                 keys_8bit: torch.dtype | None = None):
         if num_blocks < 1:
             raise ValueError("the page pool needs at least one block")
-        self.block_size, self.num_blocks = block_size, num_blocks
-        width = config.kv_lora_rank + config.qk_rope_head_dim
-        self.latent = {l: torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
-                       for l in mla_cache_layers(config)}
-        # Indexer keys: in the model dtype, or (index_int8) Hadamard-rotated int8 with one fp32 scale per token (QLI).
-        self.index_int8 = index_int8
-        key_dtype = torch.int8 if index_int8 else dtype
-        self.index_keys = {l: torch.zeros(num_blocks, block_size, config.index_head_dim, dtype=key_dtype,
+        self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
+        self.latent_8bit, self.keys_8bit = latent_8bit, keys_8bit
+        r, rho = config.kv_lora_rank, config.qk_rope_head_dim
+        self._storage: list[torch.Tensor] = []  # every page tensor, for copy_block
+        self.latent: dict[int, torch.Tensor | C8Latent] = {}
+        for l in mla_cache_layers(config):
+            if latent_8bit is None:
+                self.latent[l] = torch.zeros(num_blocks, block_size, r + rho, dtype=dtype, device=device)
+                self._storage.append(self.latent[l])
+            else:
+                page = torch.zeros(num_blocks, block_size, c8_row_bytes(config, dtype), dtype=torch.uint8,
+                                   device=device)
+                self.latent[l] = _c8_views(page, r, rho, latent_8bit, dtype)
+                self._storage.append(page)
+        self.index_keys = {l: torch.zeros(num_blocks, block_size, config.index_head_dim, dtype=keys_8bit or dtype,
                                           device=device) for l in config.dsa_layers}
         self.index_scales = ({l: torch.zeros(num_blocks, block_size, dtype=torch.float32, device=device)
-                              for l in config.dsa_layers} if index_int8 else {})
+                              for l in config.dsa_layers} if keys_8bit is not None else {})
+        self._storage += [*self.index_keys.values(), *self.index_scales.values()]
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
@@ -42,11 +62,13 @@ class PagePool:
         self.num_evicted = 0
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, index_int8: bool = False) -> int:
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, latent_8bit: torch.dtype | None = None,
+                        keys_8bit: torch.dtype | None = None) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        latent = len(mla_cache_layers(config)) * (config.kv_lora_rank + config.qk_rope_head_dim)
-        key = config.index_head_dim + 4 if index_int8 else itemsize * config.index_head_dim
-        return itemsize * latent + len(config.dsa_layers) * key
+        row = (c8_row_bytes(config, dtype) if latent_8bit is not None
+               else itemsize * (config.kv_lora_rank + config.qk_rope_head_dim))
+        key = config.index_head_dim + 4 if keys_8bit is not None else itemsize * config.index_head_dim
+        return len(mla_cache_layers(config)) * row + len(config.dsa_layers) * key
 
     # ---- allocation ----
     @property
@@ -127,7 +149,7 @@ class PagePool:
         del self._tokens_of[block]
 
     def copy_block(self, src: int, dst: int) -> None:
-        for t in (*self.latent.values(), *self.index_keys.values(), *self.index_scales.values()):
+        for t in self._storage:
             t[dst].copy_(t[src])
 
     # ---- rows ----
@@ -138,21 +160,33 @@ class PagePool:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def write(self, layer: int, rows: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
-        self.latent[layer].view(-1, latent.shape[-1])[rows] = latent.to(self.latent[layer].dtype)
+        """Store this step's [c | k_pe] rows (quantised per tile for C8) and indexer keys (rotated and quantised
+        per token for 8-bit keys) at flat page rows."""
+        write_latent(latent, rows, self.latent_rows(layer))
         if index_keys is not None:
             keys, scales = self.key_rows(layer)
-            write_index_keys(index_keys, rows, keys, scales, quantized=self.index_int8, rotate=self.index_int8)
+            eight = self.keys_8bit is not None
+            write_index_keys(index_keys, rows, keys, scales, quantized=eight, rotate=eight)
 
     def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Latent and indexer-key rows; 8-bit keys come back dequantised and rotated back (the Hadamard matrix
-        is its own inverse), so readers see keys in the model's own space."""
-        lat = self.latent[layer]
+        """Latent and indexer-key rows in the model dtype; 8-bit entries come back dequantised (keys also rotated back: the
+        Hadamard matrix is its own inverse), so readers see them in the model's own space."""
+        lat = self.latent_rows(layer)
+        lat = (dequantize_latent(C8Latent(lat.values[rows], lat.scales[rows], lat.k_pe[rows])) if self.latent_8bit
+               else lat[rows]).to(self.dtype)
         if layer not in self.index_keys:
-            return lat.view(-1, lat.shape[-1])[rows], None
+            return lat, None
         keys, scales = self.key_rows(layer)
-        if self.index_int8:
-            return lat.view(-1, lat.shape[-1])[rows], hadamard(keys[rows].float() * scales[rows].unsqueeze(-1))
-        return lat.view(-1, lat.shape[-1])[rows], keys[rows]
+        if self.keys_8bit is not None:
+            return lat, hadamard(keys[rows].float() * scales[rows].unsqueeze(-1)).to(self.dtype)
+        return lat, keys[rows]
+
+    def latent_rows(self, layer: int) -> torch.Tensor | C8Latent:
+        """Flat latent rows of a layer: [rows, r + rho], or a C8Latent of flat views."""
+        lat = self.latent[layer]
+        if isinstance(lat, C8Latent):
+            return C8Latent(*(t.view(-1, *t.shape[2:]) for t in lat))
+        return lat.view(-1, lat.shape[-1])
 
     def key_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Flat indexer-key rows of a DSA layer and, for the 8-bit cache, their per-token scales."""
@@ -187,3 +221,25 @@ class PagePool:
 def mla_cache_layers(config: ModelConfig) -> list[int]:
     """Layers with a latent cache: the MLA/DSA layers of the main model (MTP layers join when drafting lands)."""
     return config.mla_layers
+
+
+C8_TILE = 128  # latent values per fp32 scale (ops.md §9.1); a smaller latent rank uses one tile
+
+
+def c8_row_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one C8 latent row: r values + one fp32 scale per tile + rho k_pe values in `dtype`, rounded up to
+    4 so the fp32 scales of every row stay aligned (656 at K3.1's shapes in bf16)."""
+    r, rho = config.kv_lora_rank, config.qk_rope_head_dim
+    tile = min(C8_TILE, r)
+    if r % tile or r % 4:
+        raise ValueError(f"the C8 latent cache needs kv_lora_rank a multiple of {tile} and of 4, got {r}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return -(-(r + 4 * (r // tile) + itemsize * rho) // 4) * 4
+
+
+def _c8_views(page: torch.Tensor, r: int, rho: int, value_dtype: torch.dtype, dtype: torch.dtype) -> C8Latent:
+    """Strided views of a C8 byte page [blocks, B, W]: values, tile scales, k_pe (writes go through)."""
+    nt = r // min(C8_TILE, r)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return C8Latent(page[..., :r].view(value_dtype), page[..., r:r + 4 * nt].view(torch.float32),
+                    page[..., r + 4 * nt:r + 4 * nt + itemsize * rho].view(dtype))

@@ -28,10 +28,9 @@ class PagedCache(ModelCache):
     def kda_state(self, layer: int, handle: SeqHandle) -> tuple[torch.Tensor, torch.Tensor]:
         return self.states.state(layer, handle.slot)
 
-    def mla_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        latent = self.pages.latent[layer]
+    def mla_pages(self, layer: int):
         keys, scales = self.pages.key_rows(layer) if layer in self.pages.index_keys else (None, None)
-        return latent.view(-1, latent.shape[-1]), keys, scales
+        return self.pages.latent_rows(layer), keys, scales
 
     def kda_slot_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.states.layer_index[layer]

@@ -6,7 +6,11 @@ import argparse
 import re
 from dataclasses import dataclass, fields
 
+import torch
+
 from ..errors import ConfigError
+
+CACHE_8BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # 8-bit cache value types (ops.md §9)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -36,7 +40,8 @@ class EngineArgs:
     state_checkpoint_interval: int | None = None  # tokens between KDA checkpoints; default one block
     max_state_checkpoints: int | None = None  # default: 20% of kv_cache_memory, at most 4 per sequence
     ops: str = "fast"  # "reference" runs every op's readable twin (debugging)
-    index_cache_dtype: str = "auto"  # DSA indexer keys: "auto" (model dtype) or "int8" (QLI: rotated, per-token scale)
+    kv_cache_dtype: str = "auto"  # MLA latent (+ indexer keys): "auto" (model dtype), "int8" or "fp8" (C8)
+    index_cache_dtype: str = "auto"  # DSA indexer keys: "auto" (follow kv_cache_dtype), "int8"/"fp8", or "model"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -50,13 +55,25 @@ class EngineArgs:
                               f"({self.block_size}), got {self.state_checkpoint_interval}")
         if self.max_state_checkpoints is not None and self.max_state_checkpoints < 1:
             raise ConfigError(f"max_state_checkpoints must be >= 1, got {self.max_state_checkpoints}")
-        if self.index_cache_dtype not in ("auto", "int8"):
-            raise ConfigError(f"index_cache_dtype must be 'auto' or 'int8', got {self.index_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *CACHE_8BIT):
+            raise ConfigError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.index_cache_dtype not in ("auto", "model", *CACHE_8BIT):
+            raise ConfigError(f"index_cache_dtype must be 'auto', 'model', 'int8' or 'fp8', got "
+                              f"{self.index_cache_dtype!r}")
         if self.ops not in ("fast", "reference"):
             raise ConfigError(f"ops must be 'fast' or 'reference', got {self.ops!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
+
+    def latent_cache_8bit(self) -> torch.dtype | None:
+        """Value type of the C8 latent cache, or None for the model dtype."""
+        return CACHE_8BIT.get(self.kv_cache_dtype)
+
+    def index_cache_8bit(self) -> torch.dtype | None:
+        """Value type of 8-bit indexer keys, or None for the model dtype."""
+        choice = self.kv_cache_dtype if self.index_cache_dtype == "auto" else self.index_cache_dtype
+        return CACHE_8BIT.get(choice)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -78,8 +95,12 @@ class EngineArgs:
                             help="KDA state checkpoints kept for the prefix cache (default from memory)")
         parser.add_argument("--ops", choices=["fast", "reference"], default=d.ops,
                             help="op implementations; 'reference' switches every op to its readable twin")
-        parser.add_argument("--index-cache-dtype", choices=["auto", "int8"], default=d.index_cache_dtype,
-                            help="DSA indexer key cache: the model dtype, or int8 after a Hadamard rotation")
+        parser.add_argument("--kv-cache-dtype", choices=["auto", *CACHE_8BIT], default=d.kv_cache_dtype,
+                            help="C8 cache: MLA latent in 8 bits with a scale per 128 values (k_pe kept in the model "
+                                 "dtype) and indexer keys in 8 bits with a scale per token")
+        parser.add_argument("--index-cache-dtype", choices=["auto", "model", *CACHE_8BIT], default=d.index_cache_dtype,
+                            help="DSA indexer key cache alone: 8 bits after a Hadamard rotation, or the model dtype "
+                                 "(default: as --kv-cache-dtype)")
         parser.add_argument("--seed", type=int, default=d.seed)
 
     @classmethod

@@ -241,8 +241,8 @@ def _size_pools(config, args: EngineArgs, dtype: torch.dtype) -> tuple[PagePool,
     then pages with the rest."""
     budget = args.kv_cache_memory_bytes
     slot_bytes = StateSlots.bytes_per_slot(config)
-    index_int8 = args.index_cache_dtype == "int8" and config.has_dsa
-    block_bytes = PagePool.bytes_per_token(config, dtype, index_int8) * args.block_size
+    latent_8bit, keys_8bit = args.latent_cache_8bit(), args.index_cache_8bit() if config.has_dsa else None
+    block_bytes = PagePool.bytes_per_token(config, dtype, latent_8bit, keys_8bit) * args.block_size
     num_slots = args.max_num_seqs if slot_bytes == 0 else min(args.max_num_seqs, budget // slot_bytes)
     num_ckpt = 0
     if args.enable_prefix_caching:
@@ -263,5 +263,6 @@ def _size_pools(config, args: EngineArgs, dtype: torch.dtype) -> tuple[PagePool,
              "tokens (%d B per token)", num_slots, num_ckpt, slot_bytes, num_blocks, args.block_size,
              num_blocks * args.block_size, block_bytes // args.block_size)
     checkpoints = StateSlots(config, num_ckpt) if num_ckpt else None
-    return (PagePool(config, num_blocks, args.block_size, dtype, index_int8=index_int8), StateSlots(config, num_slots),
+    return (PagePool(config, num_blocks, args.block_size, dtype, latent_8bit=latent_8bit, keys_8bit=keys_8bit),
+            StateSlots(config, num_slots),
             checkpoints)

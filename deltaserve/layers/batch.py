@@ -36,9 +36,9 @@ class ModelCache(ABC):
     @abstractmethod
     def read_mla(self, layer: int, handle: Any, length: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
-    def mla_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-        """One MLA layer's flat page rows (latent [rows, r + rho], indexer keys [rows, D_I] or None, and their
-        per-token scales when the keys are 8-bit) for ops that gather rows themselves, or None when this cache
+    def mla_pages(self, layer: int) -> tuple | None:
+        """One MLA layer's flat page rows (latent [rows, r + rho] or a C8Latent of 8-bit views, indexer keys
+        [rows, D_I] or None, and their per-token scales when the keys are 8-bit) for ops that gather rows themselves, or None when this cache
         stores sequences contiguously."""
         return None
 

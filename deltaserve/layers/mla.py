@@ -131,8 +131,8 @@ class MLAttention(nn.Module):
         """Fast DSA path over the whole step: QLI picks each query's top-k page rows (causal bound inside the op,
         metadata shared by all DSA layers), QSFA attends over only those rows in the absorbed form."""
         latent_pages, key_pages, key_scales = pages
-        int8 = key_scales is not None  # 8-bit keys were rotated and quantised when written; queries follow suit
-        selected = qli_topk(iq, iw, key_pages, key_scales, batch.index_meta, quantized=int8, rotate=int8)
+        eight = key_scales is not None  # 8-bit keys were rotated and quantised when written; queries follow suit
+        selected = qli_topk(iq, iw, key_pages, key_scales, batch.index_meta, quantized=eight, rotate=eight)
         w = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w[:, :self.n])
         out_lat, _ = qsfa(q_lat, q_pe, latent_pages, selected, self.scale)

@@ -1,6 +1,6 @@
 """QLI: (quantized) lightning indexer over paged keys for a whole step's batch (ops.md §3, model.md §9.4–9.5).
 
-Not yet used by the engine (integration is later work). Plain PyTorch, device-agnostic.
+Used by the engine's fast DSA path (layers/mla.py). Plain PyTorch, device-agnostic.
 
 Storage (ops.md §9.2, flattened): indexer keys of one DSA layer live in `key_pages [num_blocks * B, D]` — int8
 values plus `key_scales fp32 [num_blocks * B]` for the 8-bit cache, or a float tensor (bf16/fp32) with
@@ -9,9 +9,12 @@ values plus `key_scales fp32 [num_blocks * B]` for the 8-bit cache, or a float t
 too (viewed flat).
 
 Precision variants: one set of functions, selected by `quantized: bool`:
-  * `quantized=True`  keys are int8 + per-token fp32 scale (written by `write_index_keys(..., quantized=True)`);
-    q is quantised per (token, head) the same way (§3.2 step 2), scales are folded into the head weights and the
-    int8 dot products are accumulated exactly (§3.2 steps 3–4).
+  * `quantized=True`  keys are 8-bit + per-token fp32 scale (written by `write_index_keys(..., quantized=True)`):
+    int8, or float8_e4m3fn (the fp8 variant) — the key pages' dtype says which. q is quantised per (token, head)
+    to the same type (§3.2 step 2), scales are folded into the head weights and the dot products are accumulated
+    exactly: int32 (`torch._int_mm`) for int8; fp32 for e4m3, whose products (4-bit significands) are exact in
+    fp32 and whose sums differ from the reference only in summation order (§3.2 steps 3–4). Scoring fp8 on the CPU
+    upcasts to fp32 (`torch._scaled_mm` is 25-40x slower there, ops.md §10.2).
   * `quantized=False` keys are stored as floats and scored in fp32 (model.md §9.4 exactly).
 `rotate` (Hadamard, §3.2 step 1) must match how the keys were written; rotating is exact in real arithmetic
 (orthonormal) and only spreads outliers before quantisation.
@@ -74,24 +77,36 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 # int8 quantisation and the key cache write
 # ---------------------------------------------------------------------------------------------------------------
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 over the last dim: s = amax / 127 (zero vector => s = 1), q = clamp(round_half_even(x / s),
-    ±127). Returns (int8 like x, fp32 scale x.shape[:-1])."""
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+EIGHT_BIT = {torch.int8: INT8_MAX, torch.float8_e4m3fn: FP8_MAX}
+
+
+def quantize_8bit(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit over the last dim (ops.md §3.2 step 2): s = amax / Q_max (127 int8, 448 e4m3; zero vector
+    => s = 1), q = round-to-nearest-even(x / s) clamped to ±Q_max (int8), or cast with round-to-nearest-even (fp8,
+    clamped first so nothing saturates to NaN). Returns (q of `dtype` like x, fp32 scale x.shape[:-1])."""
+    if dtype not in EIGHT_BIT:
+        raise ValueError(f"8-bit cache values are int8 or float8_e4m3fn, got {dtype}")
+    q_max = EIGHT_BIT[dtype]
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-    q = torch.round(xf / scale.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
+    scale = torch.where(amax > 0, amax / q_max, torch.ones_like(amax))
+    scaled = (xf / scale.unsqueeze(-1)).clamp_(-q_max, q_max)
+    if dtype == torch.int8:
+        return torch.round(scaled).to(torch.int8), scale
+    return scaled.to(dtype), scale
 
 
-def quantize_index_keys(k: torch.Tensor, rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indexer keys [N, D] (post-LayerNorm) -> (int8 [N, D], scale fp32 [N]); Hadamard-rotated first if `rotate`."""
-    return quantize_int8(hadamard(k.float()) if rotate else k.float())
+def quantize_index_keys(k: torch.Tensor, rotate: bool = True,
+                        dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer keys [N, D] (post-LayerNorm) -> (8-bit [N, D], scale fp32 [N]); Hadamard-rotated first if `rotate`."""
+    return quantize_8bit(hadamard(k.float()) if rotate else k.float(), dtype)
 
 
-def quantize_index_queries(q: torch.Tensor, rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indexer queries [T, H, D] -> (int8 [T, H, D], scale fp32 [T, H]), per token per head, same rule as keys."""
-    return quantize_int8(hadamard(q.float()) if rotate else q.float())
+def quantize_index_queries(q: torch.Tensor, rotate: bool = True,
+                           dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer queries [T, H, D] -> (8-bit [T, H, D], scale fp32 [T, H]), per token per head, same rule as keys."""
+    return quantize_8bit(hadamard(q.float()) if rotate else q.float(), dtype)
 
 
 def _flat(pages: torch.Tensor, trailing: int) -> torch.Tensor:
@@ -104,8 +119,8 @@ def _flat(pages: torch.Tensor, trailing: int) -> torch.Tensor:
 def write_index_keys(k: torch.Tensor, slots: torch.Tensor, key_pages: torch.Tensor,
                      key_scales: torch.Tensor | None, *, quantized: bool = True, rotate: bool = True) -> None:
     """Fused (rotate +) quantise + scatter of this step's indexer keys k [T, D] into flat rows `slots [T]`
-    (ops.md §3.3); slot < 0 is skipped. quantized: int8 values into key_pages, fp32 scales into key_scales [rows];
-    otherwise the (optionally rotated) key is stored in key_pages' dtype and key_scales must be None."""
+    (ops.md §3.3); slot < 0 is skipped. quantized: 8-bit values (int8 or float8_e4m3fn: key_pages' dtype) into
+    key_pages, fp32 scales into key_scales [rows]; otherwise the (optionally rotated) key is stored in key_pages' dtype and key_scales must be None."""
     pages = _flat(key_pages, 1)
     keep = slots >= 0
     rows = slots[keep]
@@ -113,7 +128,7 @@ def write_index_keys(k: torch.Tensor, slots: torch.Tensor, key_pages: torch.Tens
     if quantized:
         if key_scales is None:
             raise ValueError("the 8-bit key cache needs a scale store")
-        q8, s = quantize_index_keys(kk, rotate)
+        q8, s = quantize_index_keys(kk, rotate, pages.dtype)
         pages[rows] = q8
         _flat(key_scales, 0).view(-1)[rows] = s
     else:
@@ -243,7 +258,7 @@ def qli_topk(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scal
     `query_block` query rows (fewer if the group's logits row buffer [rows, max bound] would exceed
     `max_logits_bytes`). Keys are gathered from the request's page rows `key_block` positions at a time, only up
     to the group's largest causal bound; the causal bound is applied per key block as the scores are written
-    (no [T, S] mask). Scores: exact int8 dot products (int32 / exact fp32), ReLU, head weights with the query
+    (no [T, S] mask). Scores: exact 8-bit dot products (int32 for int8, fp32 for e4m3), ReLU, head weights with the query
     scales folded in, × key scale (ops.md §3.2). NaN scores rank below every finite score.
     """
     topk = meta.topk if topk is None else int(topk)
@@ -257,7 +272,8 @@ def qli_topk(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scal
         out[short] = _all_candidates(meta.bounds[short], topk)  # positions for now, mapped to rows below
     if not meta.all_short:
         if quantized:
-            q8, s_q = quantize_index_queries(q, rotate)
+            q8, s_q = quantize_index_queries(q, rotate, pages.dtype)
+            int8 = pages.dtype == torch.int8
             w_eff = w.float() * s_q * D ** -0.5
             scales = _flat(key_scales, 0).view(-1)
         else:
@@ -280,7 +296,8 @@ def qli_topk(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scal
                     k1 = min(kmax, k0 + key_block)
                     rows = meta.rows[b][k0:k1]
                     if quantized:
-                        dots = _int8_dot(qg, pages[rows])
+                        dots = _int8_dot(qg, pages[rows]) if int8 else torch.matmul(
+                            qg.float(), pages[rows].float().t())
                     else:
                         dots = torch.matmul(qg, pages[rows].float().t())
                     sc = (torch.relu(dots).view(n, H, -1) * wg).sum(1)
@@ -308,7 +325,7 @@ def qli_topk_ref(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_
     pages = _flat(key_pages, 1)
     out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
     if quantized:
-        q8, s_q = quantize_index_queries(q, rotate)
+        q8, s_q = quantize_index_queries(q, rotate, pages.dtype)
         q_used = q8.float() * s_q.unsqueeze(-1)
         scales = _flat(key_scales, 0).view(-1)
     else:

@@ -1,12 +1,13 @@
 """QSFA: sparse absorbed MLA attention over selected latent rows of a paged cache (ops.md §4.1–4.2, model.md §9.5).
 
-Not yet used by the engine (integration is later work). Plain PyTorch, device-agnostic.
+Used by the engine's fast DSA path (layers/mla.py). Plain PyTorch, device-agnostic.
 
 Latent cache of one layer, flattened to rows (row = block_id · B + offset, as in `qli`):
   * full precision: a float tensor `[num_rows, r + rho]` (bf16/fp32) holding `[c | k_pe]`;
-  * 8-bit ("C8", ops.md §9.1): a `C8Latent(values int8 [num_rows, r], scales fp32 [num_rows, r // tile],
-    k_pe [num_rows, rho])` — symmetric int8 per `tile` latent values (128 in the spec; `tile = r` gives one scale
-    per row), round-half-even, zero tile => scale 1; k_pe is never quantised.
+  * 8-bit ("C8", ops.md §9.1): a `C8Latent(values [num_rows, r], scales fp32 [num_rows, r // tile],
+    k_pe [num_rows, rho])` — symmetric int8 or float8_e4m3fn (the values' dtype) per `tile` latent values (128 in
+    the spec; `tile = r` gives one scale per row), round-half-even, zero tile => scale 1; k_pe is never quantised.
+    The three may be strided views of one byte page (PagePool's fused 656-byte layout).
 `[num_blocks, B, ...]` tensors are accepted too (viewed flat).
 
 `selected_rows [T, k]` int64/int32: flat rows, valid entries first, -1 padded; the op stops at the first -1 of a
@@ -21,22 +22,23 @@ from typing import NamedTuple
 
 import torch
 
-from .qli import quantize_int8
+from .qli import quantize_8bit
 
 
 class C8Latent(NamedTuple):
-    values: torch.Tensor   # int8 [rows, r]
+    values: torch.Tensor   # int8 or float8_e4m3fn [rows, r]
     scales: torch.Tensor   # fp32 [rows, r // tile]
     k_pe: torch.Tensor     # [rows, rho], bf16/fp32, unquantised
 
 
-def quantize_latent(x: torch.Tensor, r: int, tile: int = 128) -> C8Latent:
-    """[N, r + rho] -> C8Latent (tile clamped to r; r must be a multiple of the tile)."""
+def quantize_latent(x: torch.Tensor, r: int, tile: int = 128, dtype: torch.dtype = torch.int8) -> C8Latent:
+    """[N, r + rho] -> C8Latent with int8 or float8_e4m3fn values (tile clamped to r; r must be a multiple of the
+    tile)."""
     tile = min(tile, r)
     if r % tile:
         raise ValueError(f"latent rank {r} is not a multiple of the tile {tile}")
     n = x.shape[0]
-    q, s = quantize_int8(x[:, :r].float().reshape(n, r // tile, tile))
+    q, s = quantize_8bit(x[:, :r].float().reshape(n, r // tile, tile), dtype)
     return C8Latent(q.reshape(n, r), s, x[:, r:].clone())
 
 
@@ -66,7 +68,7 @@ def write_latent(x: torch.Tensor, slots: torch.Tensor, latent) -> None:
     latent = _flat_latent(latent)
     if isinstance(latent, C8Latent):
         r = latent.values.shape[-1]
-        q = quantize_latent(xx, r, r // latent.scales.shape[-1])
+        q = quantize_latent(xx, r, r // latent.scales.shape[-1], latent.values.dtype)
         latent.values[rows] = q.values
         latent.scales[rows] = q.scales
         latent.k_pe[rows] = q.k_pe.to(latent.k_pe.dtype)
