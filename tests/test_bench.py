@@ -1,0 +1,106 @@
+"""Smoke tests of `deltaserve bench`: every subcommand at a tiny size writes JSON whose fields are present and sane
+(positive rates, min <= median <= max, p50 <= p90 <= p99), and a PNG with --plot. Figures are never asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+from server_utils import run_server
+
+from deltaserve.cli import main
+from deltaserve.tools.bench_report import percentiles, summarize
+
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None  # --plot is an optional extra
+
+
+@pytest.fixture(scope="module")
+def k31_tiny(make_checkpoint):
+    return str(make_checkpoint("k31-tiny"))
+
+
+def _bench(tmp_path, name: str, *argv: str) -> dict:
+    out, png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
+    plot = ["--plot", str(png)] if HAVE_MPL else []
+    assert main(["bench", name, *argv, "--json", str(out), *plot]) == 0
+    if HAVE_MPL and name != "shared-prefix":
+        assert png.stat().st_size > 1000
+    payload = json.loads(out.read_text())
+    assert payload["bench"] == name and payload["machine"]["torch_threads"] >= 1
+    return payload
+
+
+def _check_summary(summary: dict, positive: tuple[str, ...]) -> None:
+    for key, s in summary.items():
+        assert s["min"] <= s["median"] <= s["max"], key
+    for key in positive:
+        assert summary[key]["min"] > 0, key
+
+
+def test_percentiles_and_summary():
+    p = percentiles([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert p["p50"] == 3.0 and p["p50"] <= p["p90"] <= p["p99"] <= 5.0 and p["mean"] == 3.0
+    assert summarize([2.0, 1.0, 9.0]) == {"median": 2.0, "min": 1.0, "max": 9.0, "n": 3}
+
+
+def test_throughput(tmp_path, k31_tiny):
+    payload = _bench(tmp_path, "throughput", "--model", k31_tiny, "--num-prompts", "1", "3", "--input-len", "16",
+                     "--output-len", "4", "--runs", "2")
+    assert [p["num_prompts"] for p in payload["points"]] == [1, 3]
+    for p in payload["points"]:
+        assert len(p["runs"]) == 2
+        _check_summary(p["summary"], ("requests_per_s", "prompt_tokens_per_s", "output_tokens_per_s",
+                                      "decode_tokens_per_s", "mean_ttft_s"))
+
+
+def test_shared_prefix(tmp_path, k31_tiny):
+    payload = _bench(tmp_path, "shared-prefix", "--model", k31_tiny, "--prefix-len", "128", "--question-len", "8",
+                     "--num-requests", "3")
+    assert payload["caching_on"]["hit_rate"] > 0 and payload["later_ttft_speedup"] > 0
+
+
+def test_latency_on_the_default_model(tmp_path):
+    payload = _bench(tmp_path, "latency", "--batch-size", "2", "--input-len", "16", "--output-len", "4",
+                     "--runs", "2")
+    assert payload["config"]["batch_size"] == 2 and len(payload["decode_steps_s"]) >= 1
+    _check_summary(payload["summary"], ("prefill_s", "prefill_tokens_per_s", "decode_step_s", "decode_tokens_per_s"))
+
+
+def test_long_context_beyond_the_checkpoint_limit(tmp_path, k31_tiny):
+    """k31-tiny allows 4096 positions; 4608 runs through the stretched view. KDA state bytes stay constant while
+    latent and indexer bytes grow with the context."""
+    payload = _bench(tmp_path, "long-context", "--model", k31_tiny, "--contexts", "256", "4608", "--output-len", "3")
+    short, long = payload["points"]
+    assert short["kda_state_bytes"] == long["kda_state_bytes"] > 0
+    assert long["latent_cache_bytes"] > short["latent_cache_bytes"] > 0
+    assert long["index_cache_bytes"] > short["index_cache_bytes"] > 0
+    for p in payload["points"]:
+        _check_summary(p["summary"], ("prefill_s", "prefill_tokens_per_s", "decode_token_s"))
+
+
+def test_roofline(tmp_path, k31_tiny):
+    payload = _bench(tmp_path, "roofline", "--model", k31_tiny, "--triad-mb", "8", "--matmul-size", "128",
+                     "--input-len", "16", "--output-len", "4", "--runs", "1")
+    s = payload["summary"]
+    _check_summary({k: v for k, v in s.items() if not math.isnan(v["median"])},
+                   ("triad_gb_per_s", "matmul_fp32_gflops", "decode_tokens_per_s", "ceiling_tokens_per_s"))
+    assert 0 < s["fraction_of_ceiling"]["median"] < 1
+    assert payload["bytes_per_step"] > payload["weight_bytes_touched"] > 0
+
+
+def test_serve_against_our_server(tmp_path, k31_tiny):
+    with run_server(k31_tiny) as server:
+        fixed = _bench(tmp_path, "serve", "--base-url", server.url + "/v1", "--concurrency", "1", "2",
+                       "--num-prompts", "4", "--input-len", "8", "--output-len", "5")
+        chat = _bench(tmp_path, "serve", "--base-url", server.url + "/v1", "--workload", "multi-turn", "--turns", "2",
+                      "--request-rate", "20", "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                      "--api", "completions")
+    assert [p["concurrency"] for p in fixed["points"]] == [1, 2]
+    for p in fixed["points"] + chat["points"]:
+        (run,) = p["runs"]
+        assert run["errors"] == 0 and run["completed"] == 4, fixed.get("sample_errors")
+        assert run["request_throughput"] > 0 and run["output_throughput"] > 0
+        for m in ("ttft", "tpot", "itl", "e2e"):
+            assert 0 < run[f"{m}_p50_s"] <= run[f"{m}_p90_s"] <= run[f"{m}_p99_s"], m
