@@ -180,6 +180,24 @@ def _kimi_linear_tiny() -> dict:
     }
 
 
+def _kimi_linear_small() -> dict:
+    """The anchor checkpoint of shared/design/BENCHMARKS.md (913.5M total, 173M active parameters): the same
+    kimi_linear layout as kimi-linear-tiny at benchmark size, so transformers, llama.cpp and deltaserve share weights."""
+    layers, num_bpe = 16, _SMALL_BPE
+    config = _kimi_linear_tiny()
+    config.update({
+        "vocab_size": num_bpe + 256, "hidden_size": 1024, "num_hidden_layers": layers, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "intermediate_size": 2048, "model_max_length": 131072, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_experts": 64,
+        "num_experts_per_token": 4, "moe_intermediate_size": 256,
+        "linear_attn_config": {"kda_layers": [l for l in range(1, layers + 1) if l % 4],
+                               "full_attn_layers": list(range(4, layers + 1, 4)), "num_heads": 8, "head_dim": 128,
+                               "short_conv_kernel_size": 4},
+        "bos_token_id": num_bpe, "eos_token_id": num_bpe + 2, "pad_token_id": num_bpe + 255,
+    })
+    return config
+
+
 def _k3(dims: dict, num_bpe: int, indexer: dict | None, mxfp4: bool = False) -> dict:
     text = k3_text_config(**dims, vocab=num_bpe + 256, num_bpe=num_bpe)
     if mxfp4:
@@ -198,6 +216,7 @@ PRESETS: dict[str, Preset] = {
                         _SMALL_BPE),
     "k31-pro": Preset("k31-pro", _k3(_PRO, _PRO_BPE, {"heads": 32, "head_dim": 128, "topk": 2048}, mxfp4=True), "kimi_k3",
                       _PRO_BPE),
+    "kimi-linear-small": Preset("kimi-linear-small", _kimi_linear_small(), "kimi_linear", _SMALL_BPE),
 }
 
 
