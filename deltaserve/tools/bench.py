@@ -29,12 +29,14 @@ def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[
 
 def drive(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
     """Submit all prompts at once (greedy, ignore_eos) and step to completion. Returns submit time `start`, `end`,
-    per-request first-token times `first` and per-step (time, tokens produced) `steps`, all perf_counter seconds."""
+    per-request first-token times `first` and per-step (time, tokens produced) `steps`, all perf_counter seconds,
+    and `tokens`: the generated ids of each prompt, in prompt order."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
     first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
     steps: list[tuple[float, int]] = []
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -42,7 +44,9 @@ def drive(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str
         steps.append((now, len(outs)))
         for out in outs:
             first.setdefault(out.request_id, now)
-    return {"start": start, "end": time.perf_counter(), "first": first, "steps": steps}
+            tokens[out.request_id] = out.outputs[0].token_ids
+    return {"start": start, "end": time.perf_counter(), "first": first, "steps": steps,
+            "tokens": [list(tokens[f"{tag}-{i}"]) for i in range(len(prompts))]}
 
 
 def _throughput_run(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
