@@ -125,3 +125,45 @@ def test_8bit_indexer_key_cache(make_checkpoint, monkeypatch, fmt):
     b = q8.generate(short_prompts, params, use_tqdm=False)
     assert [x.outputs[0].token_ids for x in a] == [y.outputs[0].token_ids for y in b]
     assert_pools_free(q8.engine)
+
+
+def test_engine_runs_mlapo_with_weights_fused_once(make_checkpoint, monkeypatch):
+    """On the fast set every DSA layer's pre-processing is one MLAPO call per step (fused input GEMM, cache writes
+    at the step's rows). The fused weights are built once per layer for the engine's lifetime and rebuilt when a
+    source weight changes in place, so they never go stale: the changed weight changes the output exactly as it
+    does on the reference path, which never fuses."""
+    from deltaserve.ops import mlapo
+
+    path = make_checkpoint("k31-tiny")
+    calls, fuses = [], []
+    original_pre, original_fuse = mlapo.mla_preprocess, mlapo.MLAWeights.fuse
+
+    def pre_spy(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return original_pre(x, *args, **kwargs)
+
+    def fuse_spy(self):
+        fuses.append(self)
+        return original_fuse(self)
+
+    monkeypatch.setattr("deltaserve.layers.mla.mla_preprocess", pre_spy)
+    monkeypatch.setattr(mlapo.MLAWeights, "fuse", fuse_spy)
+    prompts = [torch.randint(5, 700, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 7, 44)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    fast, ref = make_llm(path, max_num_batched_tokens=32), make_llm(path, max_num_batched_tokens=32, ops="reference")
+    n_dsa = len(fast.engine.config.dsa_layers)
+    before = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    assert len(calls) == n_dsa * fast.engine.num_steps and len(fuses) == n_dsa
+    assert before == [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    assert len(calls) == n_dsa * fast.engine.num_steps  # the reference set never calls MLAPO
+
+    for llm in (fast, ref):
+        with torch.no_grad():
+            for layer in llm.engine.config.dsa_layers:
+                llm.engine.model.layers[layer].self_attn.kv_a_proj_with_mqa.weight.mul_(-3.0)
+    after = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    assert len(fuses) == 2 * n_dsa  # rebuilt once after the change
+    assert after != before
+    assert after == [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    assert_pools_free(fast.engine)
+    assert_pools_free(ref.engine)

@@ -42,8 +42,9 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
                 sampled.append(req)
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        write_rows = torch.cat([h.rows[c:] for h, c in zip(handles, context_lens)]) if handles else None
         batch = StepBatch(positions_t, query_start, context_lens, self.cache, handles, list(plan.snapshots), self.ops,
-                          self._index_meta(plan, positions_t, query_start))
+                          self._index_meta(plan, positions_t, query_start), write_rows)
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, sample_rows, sampled
 
     def _index_meta(self, plan: StepPlan, positions: torch.Tensor, query_start: list[int]) -> StepIndexMeta | None:

@@ -66,6 +66,7 @@ class StepBatch:
     kda_snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
     ops: OpSet = field(default_factory=lambda: get_ops("fast"))
     index_meta: StepIndexMeta | None = None  # DSA indexer metadata for paged fast ops, built once per step
+    write_rows: torch.Tensor | None = None  # [N] flat page row of each new token (paged caches), built once per step
 
     @property
     def num_seqs(self) -> int:

@@ -10,6 +10,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.indexer import indexer_scores_ref, select_topk, selection_mask
 from ..ops.mla import mla_attention_ref
+from ..ops.mlapo import MLAWeights, mla_preprocess
 from ..ops.qli import qli_topk
 from ..ops.qsfa import qsfa
 from .batch import StepBatch
@@ -68,8 +69,13 @@ class MLAttention(nn.Module):
         self.rotary = (RotaryEmbedding(self.rho, config.rope_theta, config.rope_scaling)
                        if config.uses_rope or (use_indexer and config.index_use_rope) else None)
         self.scale = config.qk_head_dim ** -0.5 * softmax_scale_factor(config.rope_scaling if config.uses_rope else None)
+        self._mlapo: tuple[tuple, MLAWeights] | None = None  # (source-weight key, fused MLAPO weights)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        pages = batch.cache.mla_pages(self.layer) if batch.cache is not None else None
+        if (self.indexer is not None and batch.index_meta is not None and pages is not None
+                and batch.write_rows is not None and self._fusable()):
+            return self._fused_sparse(x, pages, batch)
         N = x.shape[0]
         if self.config.q_lora_rank is None:
             c_q, q = None, self.q_proj(x)
@@ -95,15 +101,46 @@ class MLAttention(nn.Module):
                 rows = batch.rows(i)
                 batch.cache.write_mla(self.layer, batch.handle(i), batch.context_lens[i], latent_rows[rows],
                                       None if ik is None else ik[rows])
-        pages = batch.cache.mla_pages(self.layer) if batch.cache is not None else None
         if self.indexer is not None and batch.index_meta is not None and pages is not None:
-            out = self._sparse_paged(q_nope, q_pe, iq, iw, pages, batch)
+            w_uk = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)[:, :self.n]
+            out = self._sparse_paged(torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe, iq, iw, pages, batch)
         else:
             out = self._per_sequence(q_nope, q_pe, latent_rows, iq, ik, iw, batch)
-        o = out.reshape(N, self.H * self.v)
-        if self.config.mla_use_output_gate:
-            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self._output(out, self.g_proj(x) if self.config.mla_use_output_gate else None)
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o_proj of the heads' outputs [N, H, v], gated by sigmoid(gate) (K3)."""
+        o = out.reshape(out.shape[0], self.H * self.v)
+        if gate is not None:
+            o = (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
         return self.o_proj(o)
+
+    # ---- fast DSA path: MLAPO + QLI + QSFA ----
+    def _fusable(self) -> bool:
+        """MLAPO needs plain weight matrices (a quantized projection runs through its own module instead) and the
+        layer's RoPE use (none for Kimi; both MLA and indexer parts for DeepSeek-V3.2)."""
+        linears = [self.kv_a_proj_with_mqa, self.kv_b_proj, self.indexer.wq_b, self.indexer.wk,
+                   self.indexer.weights_proj, *([self.g_proj] if self.config.mla_use_output_gate else []),
+                   *([self.q_proj] if self.config.q_lora_rank is None else [self.q_a_proj, self.q_b_proj])]
+        return all(type(m) is Linear for m in linears) and (self.rotary is None or self.config.uses_rope)
+
+    def _fused_weights(self) -> MLAWeights:
+        """The concatenated MLAPO weights, built once and rebuilt only when a source weight was replaced or
+        changed in place (its storage or version counter moved), so they never go stale."""
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters(recurse=True))
+        if self._mlapo is None or self._mlapo[0] != key:
+            self._mlapo = (key, MLAWeights.from_layer(self).fuse())
+        return self._mlapo[1]
+
+    def _fused_sparse(self, x: torch.Tensor, pages, batch: StepBatch) -> torch.Tensor:
+        """One MLAPO call (projections, norms, absorption, indexer q/k/w, page writes at the step's rows), then
+        QLI top-k and QSFA over only the selected rows."""
+        latent_pages, key_pages, key_scales = pages
+        pre = mla_preprocess(x, self._fused_weights(), batch.positions, self.rotary, self.config.mla_norm_eps,
+                             self.config.mla_norm_eps, self.config.index_norm_eps, batch.write_rows,
+                             latent_pages, key_pages, key_scales)
+        out = self._sparse_paged(pre.q_lat, pre.q_pe, pre.index_q, pre.index_w, pages, batch)
+        return self._output(out, pre.gate)
 
     def _per_sequence(self, q_nope, q_pe, latent_rows, iq, ik, iw, batch: StepBatch) -> torch.Tensor:
         """Reference path: per sequence, read its latents (and indexer keys), select with the dense indexer
@@ -127,14 +164,14 @@ class MLAttention(nn.Module):
                                self.kv_b_proj.weight, self.v, self.scale, allowed)
         return out
 
-    def _sparse_paged(self, q_nope, q_pe, iq, iw, pages, batch: StepBatch) -> torch.Tensor:
-        """Fast DSA path over the whole step: QLI picks each query's top-k page rows (causal bound inside the op,
-        metadata shared by all DSA layers), QSFA attends over only those rows in the absorbed form."""
+    def _sparse_paged(self, q_lat, q_pe, iq, iw, pages, batch: StepBatch) -> torch.Tensor:
+        """Fast DSA attention over the whole step, from the absorbed queries q_lat [N, H, r]: QLI picks each query's
+        top-k page rows (causal bound inside the op, metadata shared by all DSA layers), QSFA attends over only
+        those rows; W_UV maps the latent outputs to the heads' values."""
         latent_pages, key_pages, key_scales = pages
         eight = key_scales is not None  # 8-bit keys were rotated and quantised when written; queries follow suit
         selected = qli_topk(iq, iw, key_pages, key_scales, batch.index_meta, quantized=eight, rotate=eight)
-        w = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w[:, :self.n])
+        w_uv = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)[:, self.n:]
         out_lat, _ = qsfa(q_lat, q_pe, latent_pages, selected, self.scale)
-        return torch.einsum("thr,hvr->thv", out_lat.to(q_nope.dtype), w[:, self.n:])
+        return torch.einsum("thr,hvr->thv", out_lat.to(q_pe.dtype), w_uv)
 

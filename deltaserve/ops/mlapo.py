@@ -18,10 +18,16 @@ chain with one linear per weight, in the rounding order of :mod:`deltaserve.laye
 RoPE: Kimi models (K3, K3.1, Kimi-Linear) are NoPE and pass ``rotary=None``. With a ``rotary``
 (:class:`deltaserve.layers.rope.RotaryEmbedding`, DeepSeek V3/V3.2) q_pe and k_pe are rotated in the layer's
 interleaved form, and the indexer's first ``MLAWeights.index_rope_dim`` dims in the half-split form, both at
-``positions``; this mirrors the layer but is only lightly tested. Only bf16/fp32 caches (no C8 quantisation).
+``positions``; this mirrors the layer but is only lightly tested.
 
-Cache write: ``latent_cache [num_blocks, B, r+ρ]`` and ``index_cache [num_blocks, B, D_I]`` (PagePool tensors) at
-``out_rows [N]`` int64 flat rows ``block · B + offset``; rows < 0 are skipped (ops.md §0).
+Cache write at ``out_rows [N]`` int64 flat rows ``block · B + offset``; rows < 0 are skipped (ops.md §0). Every
+PagePool format: ``latent_cache`` is a float tensor ``[num_blocks, B, r+ρ]`` (or flat rows) or a ``C8Latent``
+(quantised per 128-value tile on write); ``index_cache [num_blocks, B, D_I]`` holds float keys, or 8-bit keys
+(Hadamard-rotated and quantised per token) when ``index_scales`` is given. The writers are the shared cache-format
+writers of :mod:`.qsfa` and :mod:`.qli`.
+
+The engine runs :func:`mla_preprocess` in DSA layers on the fast op set (``layers/mla.py``), with the fused weights
+built once per layer and rebuilt only when a source weight changes.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .qli import write_index_keys
+from .qsfa import write_latent
 
 __all__ = ["MLAWeights", "MLAPreOut", "mla_preprocess_ref", "mla_preprocess"]
 
@@ -158,12 +167,12 @@ def _rope(q_pe: Tensor, k_pe: Tensor, iq: Tensor | None, ik: Tensor | None, weig
 
 def mla_preprocess_ref(x: Tensor, weights: MLAWeights, positions: Tensor | None = None, rotary=None,
                        eps_q: float = 1e-6, eps_kv: float = 1e-6, eps_index: float = 1e-5,
-                       out_rows: Tensor | None = None, latent_cache: Tensor | None = None,
-                       index_cache: Tensor | None = None) -> MLAPreOut:
+                       out_rows: Tensor | None = None, latent_cache=None, index_cache: Tensor | None = None,
+                       index_scales: Tensor | None = None) -> MLAPreOut:
     """Plain chain (one linear per weight) for ``x [N, d]``; see the module docstring for the outputs.
 
     When ``out_rows`` is given, ``latent`` rows go to ``latent_cache`` and ``index_k`` rows to ``index_cache``
-    (if both exist), one row at a time, skipping rows < 0.
+    (if both exist), skipping rows < 0.
     """
     W = weights
     N = x.shape[0]
@@ -188,23 +197,17 @@ def mla_preprocess_ref(x: Tensor, weights: MLAWeights, positions: Tensor | None 
     latent = torch.cat([c, k_pe], dim=-1)
     gate = F.linear(x, W.g_proj) if W.g_proj is not None else None
     if out_rows is not None:
-        for i, row in enumerate(out_rows.tolist()):
-            if row < 0:
-                continue
-            if latent_cache is not None:
-                latent_cache.view(-1, latent_cache.shape[-1])[row] = latent[i]
-            if index_cache is not None and ik is not None:
-                index_cache.view(-1, index_cache.shape[-1])[row] = ik[i]
+        _write_caches(latent, ik, out_rows, latent_cache, index_cache, index_scales)
     return MLAPreOut(q_lat, q_pe.contiguous(), latent, c_q, iq, ik, iw, gate)
 
 
 def mla_preprocess(x: Tensor, weights: MLAWeights, positions: Tensor | None = None, rotary=None,
                    eps_q: float = 1e-6, eps_kv: float = 1e-6, eps_index: float = 1e-5,
-                   out_rows: Tensor | None = None, latent_cache: Tensor | None = None,
-                   index_cache: Tensor | None = None) -> MLAPreOut:
+                   out_rows: Tensor | None = None, latent_cache=None, index_cache: Tensor | None = None,
+                   index_scales: Tensor | None = None) -> MLAPreOut:
     """Fast twin of :func:`mla_preprocess_ref` (same contract): one input GEMM on ``weights.w_a`` (built by
-    :meth:`MLAWeights.fuse`, called lazily on first use), batched W_UK absorption, vectorised cache scatter.
-    The page tensors must be contiguous (PagePool's are)."""
+    :meth:`MLAWeights.fuse`, called lazily on first use), batched W_UK absorption, one vectorised scatter per
+    cache."""
     W = weights
     if W.w_a is None:
         W.fuse()
@@ -234,16 +237,16 @@ def mla_preprocess(x: Tensor, weights: MLAWeights, positions: Tensor | None = No
     # absorption as one batched GEMM over heads: [H, N, n] × [H, n, r] -> [H, N, r]
     q_lat = torch.bmm(q_nope.transpose(0, 1), W.w_uk).transpose(0, 1)
     latent = torch.cat([c, k_pe], dim=-1)
-    if out_rows is not None and (latent_cache is not None or (index_cache is not None and ik is not None)):
-        rows = torch.as_tensor(out_rows, dtype=torch.long, device=x.device)
-        keep = rows >= 0
-        if not bool(keep.all()):
-            sel = keep.nonzero().squeeze(1)
-            rows, lat_w, ik_w = rows[sel], latent[sel], None if ik is None else ik[sel]
-        else:
-            lat_w, ik_w = latent, ik
-        if latent_cache is not None:
-            latent_cache.view(-1, latent_cache.shape[-1]).index_copy_(0, rows, lat_w.to(latent_cache.dtype))
-        if index_cache is not None and ik_w is not None:
-            index_cache.view(-1, index_cache.shape[-1]).index_copy_(0, rows, ik_w.to(index_cache.dtype))
+    if out_rows is not None:
+        _write_caches(latent, ik, out_rows, latent_cache, index_cache, index_scales)
     return MLAPreOut(q_lat, q_pe.contiguous(), latent, c_q, iq, ik, iw, gate)
+
+
+def _write_caches(latent: Tensor, ik: Tensor | None, out_rows: Tensor, latent_cache, index_cache: Tensor | None,
+                  index_scales: Tensor | None) -> None:
+    rows = torch.as_tensor(out_rows, dtype=torch.long, device=latent.device)
+    if latent_cache is not None:
+        write_latent(latent, rows, latent_cache)
+    if index_cache is not None and ik is not None:
+        eight = index_scales is not None
+        write_index_keys(ik, rows, index_cache, index_scales, quantized=eight, rotate=eight)
