@@ -4,7 +4,7 @@ Experts are stored stacked ([E, I, in] for w1/w3, [E, in, I] for w2) and run onc
 the flattened batch that picked it; there is no per-request loop.
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -52,7 +52,8 @@ def _stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """E gated MLPs of width I over inputs of width `dim`, stacked."""
+    """E gated MLPs of width I over inputs of width `dim`, stacked (unquantised; `layers/quantized.py` holds the
+    MX variant with the same forward)."""
 
     def __init__(self, config: ModelConfig, num_experts: int, dim: int, width: int):
         super().__init__()
@@ -62,25 +63,34 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, width))  # down
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """sum_j w_j * expert_j(x): each expert output in x's dtype, weighted and summed in fp32, cast once."""
-        flat_experts = routing.experts.reshape(-1)
-        token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(routing.experts.shape[1])
-        order = torch.argsort(flat_experts, stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.w1.shape[0]).tolist()
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        flat_w = routing.weights.reshape(-1)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pick = order[start:start + n]
-            start += n
-            rows = token_of[pick]
-            xe = x[rows]
-            h = glu_activation(self.config, xe @ self.w1[e].t(), xe @ self.w3[e].t())
-            ye = h @ self.w2[e].t()
-            out.index_add_(0, rows, ye.float() * flat_w[pick].unsqueeze(1))
-        return out.to(x.dtype)
+        return dispatch_experts(x, routing, self.w1.shape[0], self.run_expert)
+
+    def run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
+        """Expert e over its tokens xe [n, dim] -> [n, dim] in xe's dtype."""
+        h = glu_activation(self.config, xe @ self.w1[e].t(), xe @ self.w3[e].t())
+        return h @ self.w2[e].t()
+
+
+def dispatch_experts(x: torch.Tensor, routing: Routing, num_experts: int,
+                     run_expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_j w_j * expert_j(x): each selected expert runs once over all its tokens, its output (in x's dtype) is
+    weighted and summed in fp32, cast once."""
+    flat_experts = routing.experts.reshape(-1)
+    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(routing.experts.shape[1])
+    order = torch.argsort(flat_experts, stable=True)
+    counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    flat_w = routing.weights.reshape(-1)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pick = order[start:start + n]
+        start += n
+        rows = token_of[pick]
+        ye = run_expert(e, x[rows])
+        out.index_add_(0, rows, ye.float() * flat_w[pick].unsqueeze(1))
+    return out.to(x.dtype)
 
 
 class MoE(nn.Module):
