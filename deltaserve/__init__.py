@@ -8,11 +8,11 @@ from .engine.sampling_params import InvalidRequestError, SamplingParams
 from .errors import CheckpointError, ConfigError, DeltaserveError
 
 
-def load_model(path, dtype: str = "float32", device: str = "cpu"):
+def load_model(path, dtype: str = "float32", device: str = "cpu", quantization: str | None = None):
     """Load a checkpoint folder and return its model (see `deltaserve.models.loader.load_model`)."""
     from .models.loader import load_model as _load
 
-    return _load(path, dtype=dtype, device=device)
+    return _load(path, dtype=dtype, device=device, quantization=quantization)
 
 
 def load_tokenizer(path):

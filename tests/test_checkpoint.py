@@ -117,7 +117,7 @@ def _decode_mxfp4_numpy(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return lut[codes] * np.repeat(2.0 ** (scale.astype(np.float64) - 127), 32, axis=1)
 
 
-def test_mxfp4_experts_load_dequantised(make_checkpoint):
+def test_mxfp4_experts_load_packed(make_checkpoint):
     dense_path = make_checkpoint("k3-tiny")
     mx_path = make_checkpoint("k3-tiny", mxfp4_experts=True)
     cfg = json.loads((mx_path / "config.json").read_text())
@@ -129,7 +129,7 @@ def test_mxfp4_experts_load_dequantised(make_checkpoint):
         assert key + ".weight" not in f.keys()
     mx = deltaserve.load_model(mx_path)
     dense = deltaserve.load_model(dense_path)
-    got = mx.layers[2].ffn.experts.w1[3]
+    got = mx.layers[2].ffn.experts.expert_weight("w1", 3)  # kept packed; dequantised per call
     want = _decode_mxfp4_numpy(packed.numpy(), scale.numpy())
     assert np.array_equal(got.double().numpy(), want)
     ref = dense.layers[2].ffn.experts.w1[3]

@@ -10,6 +10,7 @@ import torch
 
 from ..errors import ConfigError
 
+QUANTIZATIONS = ("w8a8-mxfp8", "w4a8-mxfp4", "mxfp")  # the schemes of layers/quantized.py
 CACHE_8BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # 8-bit cache value types (ops.md §9)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
@@ -42,6 +43,7 @@ class EngineArgs:
     ops: str = "fast"  # "reference" runs every op's readable twin (debugging)
     kv_cache_dtype: str = "auto"  # MLA latent (+ indexer keys): "auto" (model dtype), "int8" or "fp8" (C8)
     index_cache_dtype: str = "auto"  # DSA indexer keys: "auto" (follow kv_cache_dtype), "int8"/"fp8", or "model"
+    quantization: str | None = None  # MX weights at load: "w8a8-mxfp8", "w4a8-mxfp4", "mxfp" (layers/quantized.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -60,6 +62,8 @@ class EngineArgs:
         if self.index_cache_dtype not in ("auto", "model", *CACHE_8BIT):
             raise ConfigError(f"index_cache_dtype must be 'auto', 'model', 'int8' or 'fp8', got "
                               f"{self.index_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}")
         if self.ops not in ("fast", "reference"):
             raise ConfigError(f"ops must be 'fast' or 'reference', got {self.ops!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -101,6 +105,9 @@ class EngineArgs:
         parser.add_argument("--index-cache-dtype", choices=["auto", "model", *CACHE_8BIT], default=d.index_cache_dtype,
                             help="DSA indexer key cache alone: 8 bits after a Hadamard rotation, or the model dtype "
                                  "(default: as --kv-cache-dtype)")
+        parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                            help="quantise at load: w8a8-mxfp8 (attention linears, shared experts, dense MLPs), "
+                                 "w4a8-mxfp4 (routed experts) or mxfp (both); a quantised checkpoint needs none")
         parser.add_argument("--seed", type=int, default=d.seed)
 
     @classmethod

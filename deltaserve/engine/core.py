@@ -48,7 +48,7 @@ class CoreOutput:
 class EngineCore:
     def __init__(self, args: EngineArgs, model_path: Path):
         self.args = args
-        self.model = load_model(model_path, dtype=args.dtype)
+        self.model = load_model(model_path, dtype=args.dtype, quantization=args.quantization)
         config = self.config = self.model.config
         self.pages, self.states, self.checkpoints = _size_pools(config, args, DTYPES[args.dtype])
         self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)

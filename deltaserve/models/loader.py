@@ -2,12 +2,18 @@
 
 Every parameter must be filled exactly once from a tensor of the right shape: a missing, unexpected or mis-shaped
 tensor is a CheckpointError naming it (and both shapes). Never unpickles anything: safetensors and JSON only.
+
+Quantization (layers/quantized.py): layers whose tensors the checkpoint stores in an MX format (compressed-tensors
+`weight_packed`/`weight_scale`, or a float8 `weight` with a `weight_scale`) become MX layers before loading and are
+filled with the stored bytes as they are, run as the checkpoint's `quantization_config` says; a `quantization`
+scheme then quantises the remaining target layers at load time.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,9 +23,10 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
+from ..layers.quantized import (W4A16_MXFP4, W8A16_MXFP8, MXExperts, MXLinear, get_scheme, quantization_config_of,
+                                quantize_model, quantized_tensors, stored_schemes, swap_in)
 from .base import CausalLM
 from .registry import model_class
-from ..ops.mx import dequant_mxfp4
 from .weights import canonical, targets
 
 log = logging.getLogger(__name__)
@@ -29,6 +36,7 @@ FP32_PARAMS = ("A_log", "dt_bias", "_conv1d.weight", "e_score_correction_bias")
 # Parameters a checkpoint may omit, with the value used instead.
 _OPTIONAL = ("indexer.k_norm.bias",)
 _PROGRESS_MIN_BYTES = 256 << 20
+_MX_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -81,25 +89,29 @@ def load_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_dict(raw, tensor_shapes=tensor_shapes(tensor_files(path)))
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu") -> CausalLM:
-    """Build the family's model from a checkpoint folder and fill every parameter from its safetensors."""
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               quantization: str | None = None) -> CausalLM:
+    """Build the family's model from a checkpoint folder and fill every parameter from its safetensors.
+    `quantization` ("w8a8-mxfp8", "w4a8-mxfp4", "mxfp" or None) is applied on top of whatever the checkpoint
+    stores quantised; a checkpoint written by `deltaserve quantize` needs none."""
     path = Path(path)
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if torch_dtype not in (torch.float32, torch.bfloat16):
         raise ConfigError(f"unsupported dtype {dtype!r}; use float32 or bfloat16")
+    scheme = get_scheme(quantization)
     raw = read_config(path)
     files = tensor_files(path)
     shapes = tensor_shapes(files)
     config = ModelConfig.from_dict(raw, tensor_shapes=shapes)
     with torch.device(device):
         model = model_class(config)(config)
-    params = dict(model.named_parameters())
+    _swap_stored_mx(model, config, shapes, stored_schemes(quantization_config_of(raw)))
+    params = dict(model.named_parameters()) | quantized_tensors(model)
     plan, mtp_seen = _plan(config, shapes, params)
     _check_coverage(config, model, params, plan, mtp_seen)
 
     total = sum(_nbytes(shapes[n], 2) for n in shapes)
     bar = tqdm(total=len(plan), desc="Loading weights", unit="tensor", disable=total < _PROGRESS_MIN_BYTES)
-    pending_mx: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     handles: dict[Path, object] = {}
     try:
         with torch.no_grad():
@@ -110,32 +122,56 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                 tensor = handles[f].get_tensor(name)
                 for t in tgts:
                     value = t.convert(tensor) if t.convert else tensor
-                    if t.fmt != "dense":
-                        pending_mx.setdefault((t.param, t.expert), {})[t.fmt] = value
-                        parts = pending_mx[(t.param, t.expert)]
-                        if len(parts) < 2:
-                            continue
-                        value = dequant_mxfp4(parts["mxfp4_packed"], parts["mxfp4_scale"])
-                        del pending_mx[(t.param, t.expert)]
                     dest = params[t.param] if t.expert is None else params[t.param][t.expert]
                     if tuple(value.shape) != tuple(dest.shape):
                         raise CheckpointError(f"tensor {name!r} has shape {list(value.shape)} but the config "
                                               f"implies {list(dest.shape)}")
+                    _check_mx_tensor(name, value, dest)
                     dest.copy_(value)
                 bar.update(1)
     finally:
         bar.close()
         for h in handles.values():
             h.__exit__(None, None, None)
-    if pending_mx:
-        (param, expert), parts = next(iter(pending_mx.items()))
-        raise CheckpointError(f"MXFP4 expert {expert} of {param} lacks its {'scale' if 'mxfp4_packed' in parts else 'packed'} tensor")
     if config.tie_word_embeddings and not any(t.param == "lm_head.weight" for ts in plan.values() for t in ts):
         model.lm_head.weight = model.embed_tokens.weight
+    with torch.no_grad():
+        quantize_model(model, scheme)
     _cast(model, torch_dtype)
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+def _swap_stored_mx(model: CausalLM, config: ModelConfig, shapes: dict, schemes: dict) -> None:
+    """Turn every layer the checkpoint stores in an MX format (it has a `weight_scale`) into an empty MX layer."""
+    layers: dict[str, str] = {}
+    for name, shape in shapes.items():
+        canon = canonical(name)
+        if canon is None or not canon.endswith(".weight_scale"):
+            continue
+        tgts = targets(canon, config, shape) or []
+        packed = name[: -len("weight_scale")] + "weight_packed" in shapes
+        for t in tgts:
+            layers[t.param.rsplit(".", 1)[0]] = "mxfp4-pack-quantized" if packed else "mxfp8-quantized"
+    for module_path, fmt in layers.items():
+        default = W4A16_MXFP4 if fmt == "mxfp4-pack-quantized" else W8A16_MXFP8
+        try:
+            module = model.get_submodule(module_path)
+        except AttributeError as e:
+            raise CheckpointError(f"the checkpoint stores {module_path} quantised, but the model has no such "
+                                  f"layer") from e
+        if not isinstance(module, (MXLinear, MXExperts)):
+            swap_in(model, module_path, schemes.get(fmt, default))
+
+
+def _check_mx_tensor(name: str, value: torch.Tensor, dest: torch.Tensor) -> None:
+    """MX bytes go only into MX buffers of the same dtype, and no scale may be NaN (E8M0 255) (ops.md §8)."""
+    if value.dtype != dest.dtype and (value.dtype in _MX_DTYPES or dest.dtype in _MX_DTYPES):
+        raise CheckpointError(f"tensor {name!r} is {value.dtype} but its layer expects {dest.dtype} (a quantised "
+                              f"tensor without its weight_scale, or the reverse)")
+    if name.endswith("weight_scale") and bool((value == 255).any()):
+        raise CheckpointError(f"tensor {name!r} holds NaN E8M0 scales (byte 255)")
 
 
 def _nbytes(shape: tuple[int, ...], itemsize: int) -> int:
@@ -174,10 +210,9 @@ def _check_coverage(config: ModelConfig, model: CausalLM, params: dict, plan: di
     for name, tgts in plan.items():
         for t in tgts:
             key = (t.param, t.expert)
-            if t.fmt != "mxfp4_scale":
-                if key in names_for and t.fmt == "dense":
-                    raise CheckpointError(f"tensors {names_for[key]!r} and {name!r} both provide {t.param}")
-                names_for[key] = name
+            if key in names_for:
+                raise CheckpointError(f"tensors {names_for[key]!r} and {name!r} both provide {t.param}")
+            names_for[key] = name
             covered[t.param].add(t.expert)
     if config.num_nextn_predict_layers and not mtp_seen:
         log.warning("checkpoint has no MTP tensors (num_nextn_predict_layers=%d): MTP is unavailable",
@@ -190,7 +225,7 @@ def _check_coverage(config: ModelConfig, model: CausalLM, params: dict, plan: di
             continue
         if pname.endswith(_OPTIONAL) and pname not in covered:
             continue  # a LayerNorm without bias: keep the zero bias
-        stacked = pname.endswith(("experts.w1", "experts.w2", "experts.w3"))
+        stacked = re.search(r"experts\.w[123](_packed|_scale)?$", pname) is not None
         got = covered.get(pname, set())
         if stacked and None not in got:
             missing = sorted(set(range(p.shape[0])) - got)

@@ -2,7 +2,9 @@
 
 Every family's spellings are first brought to one canonical form (K3's names without the `language_model.model.`
 prefix, MoE under `ffn.`), then mapped to a parameter and an optional expert index. Conversions (A_log narrowing,
-[P, W] conv weights, transformers' fused tensors, MXFP4 experts) happen here and nowhere else.
+[P, W] conv weights, transformers' fused tensors) happen here and nowhere else. MX tensors (`weight_packed`,
+`weight_scale`, float8 `weight`) map to the same-named buffers of the MX layers (layers/quantized.py), and a routed
+expert's `w1.weight_packed` / `w1.weight_scale` to row e of the stacked `experts.w1_packed` / `experts.w1_scale`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ class Target:
     param: str
     expert: int | None = None
     convert: Callable[[torch.Tensor], torch.Tensor] | None = None
-    fmt: str = "dense"  # "dense", or "mxfp4_packed"/"mxfp4_scale" for compressed-tensors experts
 
 
 def canonical(name: str) -> str | None:
@@ -74,8 +75,8 @@ def _layer_targets(full: str, rest: str, config: ModelConfig, shape: tuple[int, 
     e = _EXPERT.match(full)
     if e:
         stack, idx, leaf, kind = e.group(1), int(e.group(2)), e.group(3), e.group(4)
-        fmt = {"weight": "dense", "weight_packed": "mxfp4_packed", "weight_scale": "mxfp4_scale"}[kind]
-        return [Target(f"{stack}.{_EXPERT_LEAF.get(leaf, leaf)}", idx, fmt=fmt)]
+        suffix = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}[kind]
+        return [Target(f"{stack}.{_EXPERT_LEAF.get(leaf, leaf)}{suffix}", idx)]
     if full.endswith(".ffn.experts.gate_up_proj"):  # transformers fused [E, 2I, d], gate rows first
         half = shape[1] // 2
         base = full[: -len("gate_up_proj")]
