@@ -1,4 +1,4 @@
-"""`deltaserve` command line: make-model, generate, serve, bench."""
+"""`deltaserve` command line: make-model, quantize, generate, serve, bench."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from . import envs
-from .engine.config import EngineArgs
+from .engine.config import QUANTIZATIONS, EngineArgs
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -50,6 +50,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from .tools.quantize import quantize_checkpoint
+
+    out = quantize_checkpoint(args.input, args.output, args.scheme)
+    print(f"wrote {args.input} quantised with {args.scheme} to {out}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .server.serve import run_server
 
@@ -70,6 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     mm.add_argument("--mxfp4-experts", action="store_true", help="routed experts in mxfp4-pack-quantized layout")
     mm.add_argument("--shard-size-mb", type=float, default=2048.0)
     mm.set_defaults(func=_make_model)
+
+    qz = sub.add_parser("quantize", help="write a checkpoint with MX-quantised layers (compressed-tensors layout)")
+    qz.add_argument("input", help="checkpoint folder")
+    qz.add_argument("output", help="folder to write")
+    qz.add_argument("--scheme", required=True, choices=QUANTIZATIONS,
+                    help="w8a8-mxfp8: attention linears, shared experts, dense MLPs; w4a8-mxfp4: routed experts; "
+                         "mxfp: both")
+    qz.set_defaults(func=_quantize)
 
     gen = sub.add_parser("generate", help="greedy continuation of a prompt")
     gen.add_argument("model", nargs="?", help="checkpoint folder (default: the embedded default model)")
