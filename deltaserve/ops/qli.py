@@ -216,16 +216,14 @@ def _to_rows(positions: torch.Tensor, seq_rows: torch.Tensor) -> torch.Tensor:
 
 
 def _int8_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Exact a [m, D] int8 . b [n, D]^T int8 -> fp32 [m, n]. torch._int_mm (int32 accumulation) where its shape rules
-    hold; otherwise fp32 matmul of the integer values, which is also exact while D * 127^2 < 2^24 (D <= 1040)."""
-    m, d = a.shape
-    n = b.shape[0]
-    if m > 16 and d % 8 == 0 and n % 8 == 0 and d >= 16 and n >= 8:
-        try:
-            return torch._int_mm(a, b.t().contiguous()).float()
-        except (RuntimeError, NotImplementedError):
-            pass
-    if d * 127 * 127 >= 2 ** 24:
+    """Exact a [m, D] int8 . b [n, D]^T int8 -> fp32 [m, n]. torch._int_mm (int32 accumulation; on the CPU it takes
+    any shape and the transposed view as is, 4x faster than the fp32 matmul at decode shapes); where a build
+    rejects the shape, an fp32 matmul of the integer values, also exact while D * 127^2 < 2^24 (D <= 1040)."""
+    try:
+        return torch._int_mm(a, b.t()).float()
+    except (RuntimeError, NotImplementedError):
+        pass
+    if a.shape[1] * 127 * 127 >= 2 ** 24:
         return torch.matmul(a.double(), b.double().t()).float()
     return torch.matmul(a.float(), b.float().t())
 
@@ -251,13 +249,14 @@ def _select_cut(s: torch.Tensor, k: int) -> torch.Tensor:
 
 def qli_topk(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scales: torch.Tensor | None,
              meta: StepIndexMeta, topk: int | None = None, *, quantized: bool = True, rotate: bool = True,
-             key_block: int = 1024, query_block: int = 256,
+             key_block: int | None = None, query_block: int = 256,
              max_logits_bytes: int = 256 << 20) -> torch.Tensor:
     """Top-k indexer selection for a step: q [T, H, D], w [T, H] (already × H^-1/2) -> int64 [T, topk] flat page
     rows, -1 padded. Only rows with more than topk candidates are scored, per request, in groups of at most
     `query_block` query rows (fewer if the group's logits row buffer [rows, max bound] would exceed
-    `max_logits_bytes`). Keys are gathered from the request's page rows `key_block` positions at a time, only up
-    to the group's largest causal bound; the causal bound is applied per key block as the scores are written
+    `max_logits_bytes`). Keys are gathered from the request's page rows `key_block` positions at a time (default:
+    as many as keep the group's [rows x heads, block] dot products within 32 MiB, so a decode row takes its whole
+    context in one GEMM), only up to the group's largest causal bound; the causal bound is applied per key block as the scores are written
     (no [T, S] mask). Scores: exact 8-bit dot products (int32 for int8, fp32 for e4m3), ReLU, head weights with the query
     scales folded in, × key scale (ops.md §3.2). NaN scores rank below every finite score.
     """
@@ -292,8 +291,9 @@ def qli_topk(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scal
                 qg = (q8 if quantized else qf)[qi].reshape(n * H, D)
                 wg = w_eff[qi].unsqueeze(-1)
                 logits = torch.empty(n, kmax, dtype=torch.float32, device=q.device)
-                for k0 in range(0, kmax, key_block):
-                    k1 = min(kmax, k0 + key_block)
+                kb = key_block or max(1024, (32 << 20) // (4 * n * H))
+                for k0 in range(0, kmax, kb):
+                    k1 = min(kmax, k0 + kb)
                     rows = meta.rows[b][k0:k1]
                     if quantized:
                         dots = _int8_dot(qg, pages[rows]) if int8 else torch.matmul(
@@ -315,7 +315,7 @@ def qli_topk(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scal
 
 def qli_topk_ref(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scales: torch.Tensor | None,
                  meta: StepIndexMeta, topk: int | None = None, *, quantized: bool = True, rotate: bool = True,
-                 key_block: int = 1024, query_block: int = 256,
+                 key_block: int | None = None, query_block: int = 256,
                  max_logits_bytes: int = 256 << 20) -> torch.Tensor:
     """Readable twin of `qli_topk` (same signature; the blocking arguments are ignored): per request, dequantise
     (q8·s_q, k8·s_k) or read the fp32 keys, score all keys with `indexer_scores_ref`, select with `select_topk`,

@@ -1,7 +1,9 @@
 """`deltaserve bench ops`: each fast op against its reference twin at k31-small shapes (printed, never asserted).
 
 Shapes: KDA 8 heads x 128; indexer 16 heads x 64, top-k 512; MLA 8 heads, latent 512 + 64; hidden 1024.
-Cases: decode batch 1 and 16 at 4k and 32k context, and one 4k-token prefill chunk.
+Cases: decode batch 1 and 16 at 4k and 32k context, and one 4k-token prefill chunk; QLI with int8 and fp8 keys;
+QSFA over the model-dtype latent and the C8 latent; MLAPO (fused pre-processing + page writes) at decode and
+prefill sizes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..ops import attn_res, kda, kda_batched, qli, qsfa
+from ..config import ModelConfig
+from ..layers.mla import MLAttention
+from ..ops import attn_res, kda, kda_batched, mlapo, qli, qsfa
+from .presets import get_preset
 
 H_KDA, K_KDA, H_I, D_I, TOPK, H_MLA, R, RHO, D_MODEL, BLOCK = 8, 128, 16, 64, 512, 8, 512, 64, 1024, 64
 
@@ -73,8 +78,37 @@ def run_ops_bench(repeats: int = 3) -> str:
             q_pe = torch.randn(n, H_MLA, RHO, generator=gen)
             row(f"qsfa decode batch {n} ctx {ctx // 1024}k", lambda: qsfa.qsfa(q_lat, q_pe, latent, sel, 0.07),
                 lambda: qsfa.qsfa_ref(q_lat, q_pe, latent, sel, 0.07))
+    f8, f8_scales = qli.quantize_index_keys(torch.randn(16 * 32768, D_I, generator=gen), dtype=torch.float8_e4m3fn)
+    meta, qq, w, _, _, latent = _dsa_case(16, 32768, gen)
+    row("qli_topk fp8 keys decode batch 16 ctx 32k", lambda: qli.qli_topk(qq, w, f8, f8_scales, meta),
+        lambda: qli.qli_topk_ref(qq, w, f8, f8_scales, meta))
+    c8 = qsfa.quantize_latent(latent, R)
+    sel = qli.qli_topk(qq, w, f8, f8_scales, meta)
+    q_lat, q_pe = torch.randn(16, H_MLA, R, generator=gen), torch.randn(16, H_MLA, RHO, generator=gen)
+    row("qsfa C8 latent decode batch 16 ctx 32k", lambda: qsfa.qsfa(q_lat, q_pe, c8, sel, 0.07),
+        lambda: qsfa.qsfa_ref(q_lat, q_pe, c8, sel, 0.07))
+    weights = _mla_weights(gen)
+    for n in (1, 16, 4096):
+        x = torch.randn(n, D_MODEL, generator=gen)
+        rows = torch.arange(n)
+        pages = torch.zeros(n, R + RHO)
+        keys = torch.zeros(n, D_I)
+        row(f"mla_preprocess {n} tokens", lambda: mlapo.mla_preprocess(x, weights, out_rows=rows, latent_cache=pages,
+                                                                       index_cache=keys),
+            lambda: mlapo.mla_preprocess_ref(x, weights, out_rows=rows, latent_cache=pages, index_cache=keys),
+            reps=repeats if n < 4096 else 1)
     sources = [torch.randn(4096, D_MODEL, generator=gen) for _ in range(5)]
     query, norm = torch.randn(D_MODEL, generator=gen), torch.ones(D_MODEL)
     row("attn_res_mix 5 sources x 4k tokens", lambda: attn_res.attn_res_mix(sources, query, norm, 1e-5),
         lambda: attn_res.attn_res_mix_ref(sources, query, norm, 1e-5))
     return f"threads={torch.get_num_threads()}\n" + "\n".join(lines)
+
+
+def _mla_weights(gen: torch.Generator) -> mlapo.MLAWeights:
+    """A k31-small DSA layer's weights (random), fused once as the engine does."""
+    config = ModelConfig.from_dict(get_preset("k31-small").config)
+    layer = MLAttention(config, config.dsa_layers[0], True)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    return mlapo.MLAWeights.from_layer(layer).fuse()
