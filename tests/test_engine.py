@@ -608,3 +608,26 @@ def test_chat_kimi_linear_jinja_template(make_checkpoint):
         assert_same_greedy(out.outputs[0].token_ids, out.prompt_token_ids, llm.engine.model, stats)
     stats.assert_rare()
     assert_pools_free(llm.engine)
+
+
+def test_step_timer_accounts_for_every_phase(make_checkpoint):
+    """The step timer sees every step, puts time in every phase, and its phases add up to (most of) the wall time of
+    the steps; the overhead share is the non-model part."""
+    import time
+
+    llm = make_llm(make_checkpoint("k31-tiny"))
+    engine = llm.engine
+    timer = engine.core.timer
+    timer.reset()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, p in enumerate(random_prompts([12, 30, 5], seed=2, high=700)):
+        engine.add_request(f"t{i}", p, params)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    wall = time.perf_counter() - start
+    report = timer.report()
+    assert timer.steps == engine.num_steps > 0
+    assert all(report[f"{k}_s"] > 0 for k in ("schedule", "prepare", "model", "sample", "update", "detokenize"))
+    assert 0.5 * wall < report["total_s"] <= wall
+    assert report["overhead_share"] == pytest.approx(1 - report["model_s"] / report["total_s"])

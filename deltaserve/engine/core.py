@@ -27,6 +27,7 @@ from .runner import ModelRunner
 from .sampler import Sampler, SamplingState, TokenLogprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
+from .step_timer import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ class EngineCore:
                                    str(model_path.resolve())) if self.checkpoints is not None else None)
         self.scheduler = Scheduler(self.pages, self.states, min(args.max_num_seqs, self.states.num_slots),
                                    args.max_num_batched_tokens, args.enable_chunked_prefill, self.prefix)
-        self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints), get_ops(args.ops))
+        self.timer = StepTimer()
+        self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints), get_ops(args.ops),
+                                  self.timer)
         self.sampler = Sampler(seed=args.seed)
         self.eos_ids = set(load_tokenizer(model_path).stop_token_ids(config.eos_token_ids))
         self._requests: dict[str, list[Request]] = {}
@@ -115,21 +118,27 @@ class EngineCore:
 
     # ---- one step ----
     def step(self) -> list[CoreOutput]:
-        plan = self.scheduler.schedule()
+        timer = self.timer
+        with timer.phase("schedule"):
+            plan = self.scheduler.schedule()
         if not plan.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("cannot schedule any request: the page pool is too small for the next chunk")
             return []
+        timer.steps += 1
         fwd = self.runner.forward(plan)
-        for req, n in plan.chunks:
-            req.num_computed_tokens += n
-        if self.prefix is not None:
-            self.prefix.commit([c.request for c in plan.chunks])
-        rows, reqs = self._fork_siblings(fwd.sampled)
-        sample = self.sampler.sample(fwd.logits[rows], [r.sampling for r in reqs])
-        outputs = [self._append_token(r, t, lp) for r, t, lp in zip(reqs, sample.token_ids, sample.logprobs)]
-        for rid in {o.request_id for o in outputs if o.finish_reason}:
-            self._forget_if_done(rid)
+        with timer.phase("update"):
+            for req, n in plan.chunks:
+                req.num_computed_tokens += n
+            if self.prefix is not None:
+                self.prefix.commit([c.request for c in plan.chunks])
+            rows, reqs = self._fork_siblings(fwd.sampled)
+        with timer.phase("sample"):
+            sample = self.sampler.sample(fwd.logits[rows], [r.sampling for r in reqs])
+        with timer.phase("update"):
+            outputs = [self._append_token(r, t, lp) for r, t, lp in zip(reqs, sample.token_ids, sample.logprobs)]
+            for rid in {o.request_id for o in outputs if o.finish_reason}:
+                self._forget_if_done(rid)
         return outputs
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprobs | None) -> CoreOutput:

@@ -58,7 +58,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, update. Returns outputs of requests that changed this step."""
-        outputs, stops = self.processor.process(self.core.step())
+        core_outputs = self.core.step()
+        with self.core.timer.phase("detokenize"):
+            outputs, stops = self.processor.process(core_outputs)
         for request_id, index in stops:
             self.core.abort(request_id, index, reason="stop")
         return outputs

@@ -14,6 +14,7 @@ from ..ops.opset import OpSet
 from ..ops.qli import StepIndexMeta, build_index_meta
 from .request import Request
 from .scheduler import StepPlan
+from .step_timer import StepTimer
 
 
 class ForwardOutput(NamedTuple):
@@ -22,8 +23,9 @@ class ForwardOutput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: PagedCache, ops: OpSet):
+    def __init__(self, model: CausalLM, cache: PagedCache, ops: OpSet, timer: StepTimer | None = None):
         self.model, self.cache, self.ops = model, cache, ops
+        self.timer = timer or StepTimer()
         self.device = next(model.parameters()).device
 
     def build_batch(self, plan: StepPlan) -> tuple[torch.Tensor, StepBatch, list[int], list[Request]]:
@@ -61,6 +63,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> ForwardOutput:
-        ids, batch, rows, sampled = self.build_batch(plan)
-        h = self.model(ids, batch)
-        return ForwardOutput(sampled, self.model.compute_logits(h[rows]))
+        with self.timer.phase("prepare"):
+            ids, batch, rows, sampled = self.build_batch(plan)
+        with self.timer.phase("model"):
+            h = self.model(ids, batch)
+            return ForwardOutput(sampled, self.model.compute_logits(h[rows]))
