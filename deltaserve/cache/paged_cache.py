@@ -45,5 +45,10 @@ class PagedCache(ModelCache):
                   index_keys: torch.Tensor | None) -> None:
         self.pages.write(layer, handle.rows[start:start + latent.shape[0]], latent, index_keys)
 
+    def write_mla_rows(self, layer: int, rows: torch.Tensor, latent: torch.Tensor,
+                       index_keys: torch.Tensor | None) -> None:
+        """One write of a whole step's rows at their flat page rows (`StepBatch.write_rows`)."""
+        self.pages.write(layer, rows, latent, index_keys)
+
     def read_mla(self, layer: int, handle: SeqHandle, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.pages.read(layer, handle.rows[:length])

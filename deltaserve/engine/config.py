@@ -43,6 +43,7 @@ class EngineArgs:
     ops: str = "fast"  # "reference" runs every op's readable twin (debugging)
     kv_cache_dtype: str = "auto"  # MLA latent (+ indexer keys): "auto" (model dtype), "int8" or "fp8" (C8)
     index_cache_dtype: str = "auto"  # DSA indexer keys: "auto" (follow kv_cache_dtype), "int8"/"fp8", or "model"
+    prepack_weights: bool = True  # fast ops + bf16: pack weights once for oneDNN (layers/prepack.py)
     quantization: str | None = None  # MX weights at load: "w8a8-mxfp8", "w4a8-mxfp4", "mxfp" (layers/quantized.py)
     seed: int = 0
 
@@ -105,6 +106,8 @@ class EngineArgs:
         parser.add_argument("--index-cache-dtype", choices=["auto", "model", *CACHE_8BIT], default=d.index_cache_dtype,
                             help="DSA indexer key cache alone: 8 bits after a Hadamard rotation, or the model dtype "
                                  "(default: as --kv-cache-dtype)")
+        parser.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
+                            help="do not keep bf16 weights packed for oneDNN (saves one copy of the linear weights)")
         parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                             help="quantise at load: w8a8-mxfp8 (attention linears, shared experts, dense MLPs), "
                                  "w4a8-mxfp4 (routed experts) or mxfp (both); a quantised checkpoint needs none")

@@ -18,6 +18,7 @@ from ..cache.paged_cache import PagedCache
 from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
 from ..errors import ConfigError
+from ..layers.prepack import enable_prepacking
 from ..models.loader import DTYPES, load_model
 from ..ops.opset import get_ops
 from ..tokenizer import load_tokenizer
@@ -50,6 +51,8 @@ class EngineCore:
     def __init__(self, args: EngineArgs, model_path: Path):
         self.args = args
         self.model = load_model(model_path, dtype=args.dtype, quantization=args.quantization)
+        if args.prepack_weights and args.ops == "fast":
+            log.info("prepacked the weights of %d modules for oneDNN", enable_prepacking(self.model))
         config = self.config = self.model.config
         self.pages, self.states, self.checkpoints = _size_pools(config, args, DTYPES[args.dtype])
         self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)

@@ -96,14 +96,25 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             iq, ik, iw = self.indexer.project(x, c_q, cos_sin)
 
-        if batch.cache is not None:
+        if pages is not None and batch.write_rows is not None:
+            batch.cache.write_mla_rows(self.layer, batch.write_rows, latent_rows, ik)
+        elif batch.cache is not None:
             for i in range(batch.num_seqs):
                 rows = batch.rows(i)
                 batch.cache.write_mla(self.layer, batch.handle(i), batch.context_lens[i], latent_rows[rows],
                                       None if ik is None else ik[rows])
+        w_uk = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)[:, :self.n]
         if self.indexer is not None and batch.index_meta is not None and pages is not None:
-            w_uk = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)[:, :self.n]
             out = self._sparse_paged(torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe, iq, iw, pages, batch)
+        elif self.indexer is None and pages is not None and batch.ops.name == "fast":
+            single = [batch.rows(i).stop - batch.rows(i).start == 1 for i in range(batch.num_seqs)]
+            decode = [i for i, one in enumerate(single) if one]
+            out = self._per_sequence(q_nope, q_pe, latent_rows, iq, ik, iw, batch,
+                                     [i for i, one in enumerate(single) if not one])
+            if decode:
+                rows = torch.tensor([batch.query_start[i] for i in decode], device=x.device)
+                out[rows] = self._dense_decode(torch.einsum("thn,hnr->thr", q_nope[rows], w_uk), q_pe[rows],
+                                               pages[0], decode, batch)
         else:
             out = self._per_sequence(q_nope, q_pe, latent_rows, iq, ik, iw, batch)
         return self._output(out, self.g_proj(x) if self.config.mla_use_output_gate else None)
@@ -142,11 +153,12 @@ class MLAttention(nn.Module):
         out = self._sparse_paged(pre.q_lat, pre.q_pe, pre.index_q, pre.index_w, pages, batch)
         return self._output(out, pre.gate)
 
-    def _per_sequence(self, q_nope, q_pe, latent_rows, iq, ik, iw, batch: StepBatch) -> torch.Tensor:
-        """Reference path: per sequence, read its latents (and indexer keys), select with the dense indexer
-        scores, attend (expanded form for chunks, the op set's decode form for single tokens)."""
+    def _per_sequence(self, q_nope, q_pe, latent_rows, iq, ik, iw, batch: StepBatch,
+                      seqs: list[int] | None = None) -> torch.Tensor:
+        """Reference path: per sequence (all, or `seqs`), read its latents (and indexer keys), select with the dense
+        indexer scores, attend (expanded form for chunks, the op set's decode form for single tokens)."""
         out = q_nope.new_empty(q_nope.shape[0], self.H, self.v)
-        for i in range(batch.num_seqs):
+        for i in range(batch.num_seqs) if seqs is None else seqs:
             rows, ctx = batch.rows(i), batch.context_lens[i]
             n_q = rows.stop - rows.start
             if batch.cache is not None:
@@ -163,6 +175,18 @@ class MLAttention(nn.Module):
             out[rows] = attend(q_nope[rows], q_pe[rows], latent[:, :self.r], latent[:, self.r:],
                                self.kv_b_proj.weight, self.v, self.scale, allowed)
         return out
+
+    def _dense_decode(self, q_lat, q_pe, latent_pages, seqs: list[int], batch: StepBatch) -> torch.Tensor:
+        """Single-token queries of many sequences at once over their whole context (ops.md §4.5 in the absorbed
+        form): each sequence's page rows up to its position are the selected set of QSFA, so the absorption and the
+        W_UV map run once for all of them instead of once per sequence."""
+        lengths = [batch.context_lens[i] + 1 for i in seqs]
+        selected = torch.full((len(seqs), max(lengths)), -1, dtype=torch.long, device=q_lat.device)
+        for j, (i, n) in enumerate(zip(seqs, lengths)):
+            selected[j, :n] = batch.handle(i).rows[:n]
+        w_uv = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)[:, self.n:]
+        out_lat, _ = qsfa(q_lat, q_pe, latent_pages, selected, self.scale)
+        return torch.einsum("thr,hvr->thv", out_lat.to(q_pe.dtype), w_uv)
 
     def _sparse_paged(self, q_lat, q_pe, iq, iw, pages, batch: StepBatch) -> torch.Tensor:
         """Fast DSA attention over the whole step, from the absorbed queries q_lat [N, H, r]: QLI picks each query's

@@ -7,10 +7,12 @@ the flattened batch that picked it; there is no per-request loop.
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from .linear import Linear
+from .prepack import PackedWeight, packed_linear
 from .mlp import MLP, glu_activation
 from .norm import RMSNorm
 
@@ -61,36 +63,53 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, width, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(num_experts, width, dim))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, width))  # down
+        self.prepack = False  # see layers/prepack.py: one packed copy per expert matrix, built on first use
+        self._packed = {}
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         return dispatch_experts(x, routing, self.w1.shape[0], self.run_expert)
 
     def run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
         """Expert e over its tokens xe [n, dim] -> [n, dim] in xe's dtype."""
-        h = glu_activation(self.config, xe @ self.w1[e].t(), xe @ self.w3[e].t())
-        return h @ self.w2[e].t()
+        h = glu_activation(self.config, self._linear(xe, "w1", e), self._linear(xe, "w3", e))
+        return self._linear(h, "w2", e)
+
+    def _linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        weight = getattr(self, name)[e]
+        if not self.prepack:
+            return F.linear(x, weight)
+        packed = self._packed.get((name, e))
+        if packed is None:
+            packed = self._packed[(name, e)] = PackedWeight()
+        return packed_linear(x, packed.get(weight))
+
+    def packable_dtype(self) -> torch.dtype:
+        return self.w1.dtype
+
+    def packable_device(self) -> torch.device:
+        return self.w1.device
 
 
 def dispatch_experts(x: torch.Tensor, routing: Routing, num_experts: int,
                      run_expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """sum_j w_j * expert_j(x): each selected expert runs once over all its tokens, its output (in x's dtype) is
-    weighted and summed in fp32, cast once."""
+    """sum_j w_j * expert_j(x): each selected expert runs once over all its tokens. The (token, choice) pairs are
+    sorted by expert and the tokens gathered once, so expert e reads a contiguous slice and writes its outputs (in
+    x's dtype) to a contiguous slice; one scatter puts them back in (token, choice) order, and each token's k outputs
+    are weighted and summed in fp32 in routing order (the same order whatever else is in the batch), cast once."""
+    T, k = routing.experts.shape
     flat_experts = routing.experts.reshape(-1)
-    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(routing.experts.shape[1])
     order = torch.argsort(flat_experts, stable=True)
     counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    flat_w = routing.weights.reshape(-1)
+    xs = x[order // k]
+    ys = torch.empty_like(xs)
     start = 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        pick = order[start:start + n]
-        start += n
-        rows = token_of[pick]
-        ye = run_expert(e, x[rows])
-        out.index_add_(0, rows, ye.float() * flat_w[pick].unsqueeze(1))
-    return out.to(x.dtype)
+        if n:
+            ys[start:start + n] = run_expert(e, xs[start:start + n])
+            start += n
+    y = torch.empty_like(ys)
+    y[order] = ys
+    return (y.view(T, k, -1).float() * routing.weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 class MoE(nn.Module):

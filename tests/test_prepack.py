@@ -1,0 +1,73 @@
+"""Prepacked bf16 weights (layers/prepack.py): the same numbers as the plain products, never stale, and the engine's
+tokens do not move when the weights are packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve import SamplingParams
+from deltaserve.config import ModelConfig
+from deltaserve.layers.linear import Linear
+from deltaserve.layers.moe import Experts, Routing
+from deltaserve.layers.prepack import enable_prepacking, prepack_supported
+from deltaserve.tools.presets import get_preset
+from engine_utils import assert_pools_free, make_llm, random_prompts
+
+pytestmark = pytest.mark.skipif(not prepack_supported(torch.bfloat16),
+                                reason="this torch build or CPU has no oneDNN bf16 path")
+
+
+@pytest.mark.parametrize("n_out,n_in", [(64, 32), (300, 128), (1024, 256)])
+def test_packed_linear_is_bit_identical_and_never_stale(n_out, n_in):
+    g = torch.Generator().manual_seed(n_out)
+    lin = Linear(n_in, n_out).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n_out, n_in, generator=g))
+    assert enable_prepacking(lin) == 1 and lin.prepack
+    for m in (1, 3, 8, 33, 200):
+        x = torch.randn(m, n_in, generator=g).to(torch.bfloat16)
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
+    x = torch.randn(5, n_in, generator=g).to(torch.bfloat16)
+    before = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # in place: the packed copy must follow
+    assert torch.equal(lin(x), F.linear(x, lin.weight)) and not torch.equal(lin(x), before)
+    lin.weight = torch.nn.Parameter(torch.randn(n_out, n_in, generator=g).to(torch.bfloat16))  # replaced
+    assert torch.equal(lin(x), F.linear(x, lin.weight))
+
+
+def test_fp32_weights_are_not_packed():
+    assert enable_prepacking(Linear(32, 16)) == 0
+
+
+def test_packed_experts_are_bit_identical():
+    config = ModelConfig.from_dict(get_preset("kimi-linear-tiny").config)
+    g = torch.Generator().manual_seed(0)
+    experts = Experts(config, 8, 64, 32)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    experts = experts.to(torch.bfloat16)
+    x = torch.randn(11, 64, generator=g).to(torch.bfloat16)
+    routing = Routing(torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(11)]), torch.rand(11, 3))
+    plain = experts(x, routing)
+    assert enable_prepacking(experts) == 1
+    assert torch.equal(experts(x, routing), plain)
+
+
+@pytest.mark.parametrize("preset", ["k31-tiny", "kimi-linear-tiny"])
+def test_engine_tokens_and_logprobs_unchanged_by_prepacking(make_checkpoint, preset):
+    path = make_checkpoint(preset)
+    prompts = random_prompts([9, 30, 17], seed=5, high=700)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    runs = []
+    for prepack in (True, False):
+        llm = make_llm(path, dtype="bfloat16", prepack_weights=prepack)
+        linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+        assert any(m.prepack for m in linears) == prepack
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs])
+        assert_pools_free(llm.engine)
+    assert runs[0] == runs[1]
