@@ -12,6 +12,7 @@ from ..config import ModelConfig
 from ..ops.kda import kda_gate, l2_normalize
 from .batch import StepBatch
 from .linear import Linear
+from .prepack import PackedConcat, linear_group
 from .norm import gated_rms_norm
 
 
@@ -39,14 +40,23 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K))
         self.o_proj = Linear(P, d)
+        self._inputs = PackedConcat()
+
+    def _input_projections(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """q, k, v, f_a, b and g (or g_a) of x: one product over their stacked weights when they are prepacked."""
+        linears = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                   self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj]
+        if all(getattr(m, "prepack", False) for m in linears):  # an MX linear runs through its own module
+            return linear_group(x, [m.weight for m in linears], self._inputs)
+        return [m(x) for m in linears]
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         N, H, K = x.shape[0], self.H, self.K
-        q_in, k_in, v_in = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        u = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        q_in, k_in, v_in, f_a, b, g_in = self._input_projections(x)
+        u = self.f_b_proj(f_a).float() + self.dt_bias.float()
         g = kda_gate(u.view(N, H, K), self.A_log.float(), self.config.kda_gate_lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        gate = self.g_proj(x) if self.config.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        beta = torch.sigmoid(b.float())
+        gate = g_in if self.config.kda_full_rank_gate else self.g_b_proj(g_in)
 
         core = torch.empty(N, H, K, dtype=torch.float32, device=x.device)
         pool = batch.cache.kda_slot_pool(self.layer) if batch.cache is not None else None

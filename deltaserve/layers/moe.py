@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .linear import Linear
-from .prepack import PackedWeight, packed_linear
+from .prepack import PackedConcat, PackedWeight, linear_group, packed_linear
 from .mlp import MLP, glu_activation
 from .norm import RMSNorm
 
@@ -70,18 +70,15 @@ class Experts(nn.Module):
         return dispatch_experts(x, routing, self.w1.shape[0], self.run_expert)
 
     def run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
-        """Expert e over its tokens xe [n, dim] -> [n, dim] in xe's dtype."""
-        h = glu_activation(self.config, self._linear(xe, "w1", e), self._linear(xe, "w3", e))
-        return self._linear(h, "w2", e)
-
-    def _linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-        weight = getattr(self, name)[e]
+        """Expert e over its tokens xe [n, dim] -> [n, dim] in xe's dtype. Prepacked: gate and up as one product."""
         if not self.prepack:
-            return F.linear(x, weight)
-        packed = self._packed.get((name, e))
-        if packed is None:
-            packed = self._packed[(name, e)] = PackedWeight()
-        return packed_linear(x, packed.get(weight))
+            return F.linear(glu_activation(self.config, F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e])),
+                            self.w2[e])
+        if e not in self._packed:
+            self._packed[e] = (PackedConcat(), PackedWeight())
+        gate_up, down = self._packed[e]
+        gate, up = linear_group(xe, [self.w1[e], self.w3[e]], gate_up)
+        return packed_linear(glu_activation(self.config, gate, up), down.get(self.w2[e]))
 
     def packable_dtype(self) -> torch.dtype:
         return self.w1.dtype

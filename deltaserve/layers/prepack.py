@@ -36,6 +36,34 @@ class PackedWeight:
         return self._packed
 
 
+class PackedConcat:
+    """One packed matrix for several weights that read the same input (their rows stacked in order): one product
+    instead of one per weight. Rebuilt when any source changes."""
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._packed: torch.Tensor | None = None
+        self.splits: tuple[int, ...] = ()
+
+    def get(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        key = tuple((w.data_ptr(), w._version) for w in weights)
+        if key != self._key:
+            stacked = torch.cat([w.detach() for w in weights], dim=0)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(stacked, None)
+            self.splits = tuple(w.shape[0] for w in weights)
+            self._key = key
+        return self._packed
+
+
+def linear_group(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedConcat | None) -> list[torch.Tensor]:
+    """[x @ w.T for w in weights]: with `packed`, one product over the stacked weights, split (each part made
+    contiguous: later elementwise ops on strided column slices run several times slower on the CPU)."""
+    if packed is None:
+        return [torch.nn.functional.linear(x, w) for w in weights]
+    y = packed_linear(x, packed.get(weights))
+    return [part.contiguous() for part in torch.split(y, packed.splits, dim=-1)]
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ W^T with W packed by `PackedWeight` (same result as `F.linear(x, W)`)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
