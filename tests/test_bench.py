@@ -104,3 +104,18 @@ def test_serve_against_our_server(tmp_path, k31_tiny):
         assert run["request_throughput"] > 0 and run["output_throughput"] > 0
         for m in ("ttft", "tpot", "itl", "e2e"):
             assert 0 < run[f"{m}_p50_s"] <= run[f"{m}_p90_s"] <= run[f"{m}_p99_s"], m
+
+
+def test_quant(tmp_path, k31_tiny):
+    payload = _bench(tmp_path, "quant", "--model", k31_tiny, "--dtype", "bfloat16", "--batch-sizes", "1", "2",
+                     "--input-len", "24", "--output-len", "3", "--num-quality-prompts", "2",
+                     "--kv-cache-memory", "64MiB")
+    by_name = {r["variant"]: r for r in payload["results"]}
+    assert set(by_name) == {"unquantised", "w8a8-mxfp8", "w4a8-mxfp4", "mxfp", "c8-int8", "c8-fp8"}
+    base = by_name["unquantised"]
+    assert base["greedy_agreement"] == 1 and base["mean_kl"] == pytest.approx(0, abs=1e-6)
+    for r in payload["results"]:
+        assert all(v > 0 for v in r["decode_tokens_per_s"].values())
+        assert 0 <= r["greedy_agreement"] <= 1 and r["mean_kl"] >= -1e-6
+    assert by_name["mxfp"]["weight_bytes"] < by_name["w8a8-mxfp8"]["weight_bytes"] < base["weight_bytes"]
+    assert by_name["c8-int8"]["cache_bytes_per_token"] < base["cache_bytes_per_token"]

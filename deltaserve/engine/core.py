@@ -8,6 +8,7 @@ in-process for the offline LLM and in its own process behind the server.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.pages, self.states, min(args.max_num_seqs, self.states.num_slots),
                                    args.max_num_batched_tokens, args.enable_chunked_prefill, self.prefix)
         self.timer = StepTimer()
+        # Optional observer of each step's sampled rows: (requests, fp32 logits [rows, vocab]) before sampling.
+        # Used by `bench quant` to compare distributions; None costs nothing.
+        self.logits_observer: Callable[[list[Request], torch.Tensor], None] | None = None
         self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints), get_ops(args.ops),
                                   self.timer)
         self.sampler = Sampler(seed=args.seed)
@@ -130,6 +134,8 @@ class EngineCore:
             return []
         timer.steps += 1
         fwd = self.runner.forward(plan)
+        if self.logits_observer is not None:
+            self.logits_observer(fwd.sampled, fwd.logits)
         with timer.phase("update"):
             for req, n in plan.chunks:
                 req.num_computed_tokens += n

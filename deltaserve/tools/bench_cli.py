@@ -81,6 +81,12 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     add_output_args(sv)
     sv.set_defaults(func=_handler("bench_serve", "run_serve"))
 
+    qb = _engine_parser(bs, "quant", "weight schemes and cache dtypes: bytes, decode speed, agreement and KL",
+                        "bench_quant", "run_quant")
+    from .bench_quant import add_quant_args
+
+    add_quant_args(qb)
+
     ob = bs.add_parser("ops", help="each fast op vs its reference twin at k31-small shapes")
     ob.add_argument("--repeats", type=int, default=3)
     ob.set_defaults(func=_ops)

@@ -1,27 +1,33 @@
-"""Quantization benchmark (issue 8's benchmark line, weight half): per scheme, the stored weight bytes, end-to-end
-greedy generation tokens/s at batch 1 and 16, and the logit KL divergence and top-1 agreement against the
-unquantised model, teacher-forced over the shipped validation text. Printed, never asserted.
+"""`deltaserve bench quant`: what each weight scheme and cache dtype costs and buys (issue 8's benchmark; printed and
+written with --json, never asserted).
 
-Run: `python -m deltaserve.tools.bench_quant [MODEL] [--tokens N]` (MODEL defaults to the shipped trained model;
-intended for k31-small at most). Weight bytes count what a layer stores (MX bytes + scales, or its parameters), not
-the dequantised copies an MXLinear caches for speed.
+Variants: the unquantised model, each weight scheme (w8a8-mxfp8, w4a8-mxfp4, mxfp) with the model-dtype cache, and
+the C8 cache (int8, fp8) with unquantised weights. Per variant:
+  * weight bytes: what the layers store (MX bytes + scales, or parameters), not the dequantised copies an MXLinear
+    caches for speed nor the prepacked copies;
+  * cache bytes per token (every MLA/DSA layer's latent + indexer key);
+  * decode tokens/s at batch 1 and 16 (random prompts, greedy, decode phase only);
+  * quality against the unquantised engine on a fixed prompt set (slices of the shipped validation text): greedy
+    agreement (share of generated positions with the same token) and the mean KL(unquantised || variant) of the
+    next-token distributions at the positions both runs reached with the same tokens so far (so both distributions
+    condition on the same context).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import statistics
 
 import torch
 
-from ..engine.config import QUANTIZATIONS
-from ..engine.llm import LLM
-from ..engine.sampling_params import SamplingParams
-from ..models.loader import load_model
-from ..tokenizer import load_tokenizer
+from ..engine.config import QUANTIZATIONS, EngineArgs
+from ..engine.llm_engine import LLMEngine
+from .bench import drive, random_prompts
+from .bench_latency import latency_run
+from .bench_report import emit, format_table, machine_info, new_figure, save_figure
 from .corpus import VALIDATION_PATH
 
-PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, item):", "for i in range(10):"]
+CACHE_DTYPES = ("int8", "fp8")
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -33,49 +39,99 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def logit_quality(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    """(mean KL(ref || got), top-1 agreement) of [T, V] logits."""
-    kl = torch.nn.functional.kl_div(got.float().log_softmax(-1), ref.float().log_softmax(-1), log_target=True,
-                                    reduction="batchmean").item()
-    return kl, (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+def variants() -> list[tuple[str, str | None, str]]:
+    """(name, quantization, kv_cache_dtype) of every variant, the unquantised baseline first."""
+    return ([("unquantised", None, "auto")] + [(q, q, "auto") for q in QUANTIZATIONS]
+            + [(f"c8-{c}", None, c) for c in CACHE_DTYPES])
 
 
-def decode_tokens_per_s(model: str | None, scheme: str | None, batch: int, tokens: int, dtype: str) -> float:
-    llm = LLM(model, dtype=dtype, quantization=scheme)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+def quality_prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
+    ids = engine.tokenizer.encode(VALIDATION_PATH.read_text()[:200_000])
+    stride = max(length, (len(ids) - length) // max(count, 1))
+    return [ids[i * stride:i * stride + length] for i in range(count)]
 
 
-def run_quant_bench(model: str | None, tokens: int = 32, eval_tokens: int = 256, dtype: str = "bfloat16") -> str:
-    from ..default_model import default_model_path
+def greedy_with_logits(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> list[tuple[list, list]]:
+    """Per prompt: (generated ids, the fp32 logits each was sampled from), via the core's logits observer."""
+    logits: dict[str, list[torch.Tensor]] = {}
 
-    path = model or str(default_model_path())
-    ids = torch.tensor(load_tokenizer(path).encode(VALIDATION_PATH.read_text()[:20000])[:eval_tokens])
-    ref = load_model(path, dtype=dtype).reference_logits(ids)
-    rows = [f"{'scheme':<12} {'weight MB':>10} {'tok/s b1':>9} {'tok/s b16':>10} {'KL':>8} {'top-1':>7}"]
-    for scheme in (None, *QUANTIZATIONS):
-        m = load_model(path, dtype=dtype, quantization=scheme)
-        kl, agree = logit_quality(ref, m.reference_logits(ids))
-        b1, b16 = (decode_tokens_per_s(model, scheme, b, tokens, dtype) for b in (1, 16))
-        rows.append(f"{scheme or dtype:<12} {weight_bytes(m) / 1e6:>10.2f} {b1:>9.1f} {b16:>10.1f} {kl:>8.4f} "
-                    f"{agree:>7.1%}")
-    return "\n".join(rows)
+    def observe(requests, rows):
+        for req, row in zip(requests, rows):
+            logits.setdefault(req.request_id, []).append(row.clone())
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.tools.bench_quant")
-    parser.add_argument("model", nargs="?", default=None)
-    parser.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
-    parser.add_argument("--eval-tokens", type=int, default=256, help="validation tokens for KL / agreement")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    args = parser.parse_args(argv)
-    print(run_quant_bench(args.model, args.tokens, args.eval_tokens, args.dtype))
-    return 0
+    engine.core.logits_observer = observe
+    try:
+        out = drive(engine, prompts, output_len, "quality")
+    finally:
+        engine.core.logits_observer = None
+    return [(tokens, logits[f"quality-{i}"]) for i, tokens in enumerate(out["tokens"])]
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def compare(base: list[tuple[list, list]], other: list[tuple[list, list]]) -> tuple[float, float]:
+    """(greedy agreement, mean KL over positions with a common history) of two greedy_with_logits results."""
+    same = total = 0
+    kls = []
+    for (tok_a, log_a), (tok_b, log_b) in zip(base, other):
+        total += len(tok_a)
+        same += sum(a == b for a, b in zip(tok_a, tok_b))
+        for j, (la, lb) in enumerate(zip(log_a, log_b)):
+            kls.append(torch.nn.functional.kl_div(lb.log_softmax(-1), la.log_softmax(-1), log_target=True,
+                                                  reduction="sum").item())
+            if tok_a[j] != tok_b[j]:
+                break  # later positions condition on different tokens
+    return same / max(total, 1), statistics.mean(kls) if kls else float("nan")
+
+
+def run_quant(args: argparse.Namespace) -> str:
+    rows, results, baseline = [], [], None
+    for name, quantization, kv in variants():
+        engine_args = EngineArgs.from_cli(args, args.model)
+        engine_args.quantization, engine_args.kv_cache_dtype = quantization, kv
+        engine = LLMEngine(engine_args)
+        config, pages = engine.config, engine.core.pages
+        cache_bytes = pages.bytes_per_token(config, pages.dtype, pages.latent_8bit, pages.keys_8bit)
+        prompts = quality_prompts(engine, args.num_quality_prompts, args.input_len)
+        quality = greedy_with_logits(engine, prompts, args.output_len)
+        baseline = baseline or quality
+        agreement, kl = compare(baseline, quality)
+        speed = {}
+        for batch in args.batch_sizes:
+            latency_run(engine, random_prompts(config.vocab_size, batch, args.input_len, 99), 2, f"warm{batch}")
+            run, _ = latency_run(engine, random_prompts(config.vocab_size, batch, args.input_len, batch),
+                                 args.output_len, f"speed{batch}")
+            speed[batch] = run["decode_tokens_per_s"]
+        result = {"variant": name, "quantization": quantization, "kv_cache_dtype": kv,
+                  "weight_bytes": weight_bytes(engine.model), "cache_bytes_per_token": cache_bytes,
+                  "decode_tokens_per_s": speed, "greedy_agreement": agreement, "mean_kl": kl}
+        results.append(result)
+        rows.append([name, result["weight_bytes"] / 1e6, cache_bytes,
+                     *[speed[b] for b in args.batch_sizes], agreement, kl])
+        del engine
+    headers = ["variant", "weight MB", "cache B/token", *[f"tok/s b{b}" for b in args.batch_sizes],
+               "greedy agree", "KL"]
+    payload = {"bench": "quant", "machine": machine_info(), "model": args.model, "dtype": args.dtype,
+               "results": results}
+
+    def plot(path: str) -> None:
+        fig, (speed_ax, bytes_ax) = new_figure(2)
+        names = [r["variant"] for r in results]
+        width = 0.8 / len(args.batch_sizes)
+        for k, b in enumerate(args.batch_sizes):
+            speed_ax.bar([i + k * width for i in range(len(names))], [r["decode_tokens_per_s"][b] for r in results],
+                         width, label=f"batch {b}")
+        speed_ax.set_title("decode tokens/s")
+        speed_ax.legend()
+        bytes_ax.bar(names, [r["weight_bytes"] / 1e6 for r in results])
+        bytes_ax.set_title("weight MB")
+        for ax in (speed_ax, bytes_ax):
+            ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        save_figure(fig, path)
+
+    return emit(args, payload, format_table(headers, rows), plot)
+
+
+def add_quant_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--num-quality-prompts", type=int, default=8)
