@@ -20,7 +20,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ModelCache, StepBatch
 from deltaserve.layers.mla import MLAttention
 from deltaserve.ops.indexer import select_topk, selection_mask
-from deltaserve.ops.mla import mla_attention_absorbed, mla_attention_ref
+from deltaserve.ops.mla import mla_attention_absorbed, mla_attention_expanded, mla_attention_ref
 
 T = 40
 NAN, INF = float("nan"), float("inf")
@@ -180,10 +180,12 @@ def test_absorbed_equals_expanded_fp32(mask_kind, n_q, S):
     scale = (N_NOPE + RHO) ** -0.5
     ref = mla_attention_ref(*args, V, scale, allowed)
     absorbed = mla_attention_absorbed(*args, V, scale, allowed)
+    fused = mla_attention_expanded(*args, V, scale, allowed)  # the fast prefill twin (fused attention)
     loop = _mla_loop(*args, scale, allowed)
-    assert ref.shape == absorbed.shape == (n_q, H, V) and ref.dtype == torch.float32
+    assert ref.shape == absorbed.shape == fused.shape == (n_q, H, V) and ref.dtype == fused.dtype == torch.float32
     assert (ref.double() - loop).abs().max() <= 1e-5
     assert (absorbed.double() - loop).abs().max() <= 1e-5
+    assert (fused.double() - loop).abs().max() <= 1e-5
     assert (absorbed - ref).abs().max() <= 1e-5
     print(f"absorbed vs expanded: {(absorbed - ref).abs().max().item():.3g}")
     if mask_kind == "sparse" and n_q > 1:  # the mask is honoured (not silently causal)
@@ -198,7 +200,7 @@ def test_absorbed_and_expanded_bf16_close():
     allowed = _masks(n_q, S, seed=6)["sparse"]
     scale = (N_NOPE + RHO) ** -0.5
     loop = _mla_loop(*args, scale, allowed)
-    for fn in (mla_attention_ref, mla_attention_absorbed):
+    for fn in (mla_attention_ref, mla_attention_absorbed, mla_attention_expanded):
         out = fn(*args, V, scale, allowed)
         assert out.dtype == torch.bfloat16
         rel = ((out.double() - loop).norm() / loop.norm()).item()

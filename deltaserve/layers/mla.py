@@ -9,7 +9,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.indexer import indexer_scores_ref, select_topk, selection_mask
-from ..ops.mla import mla_attention_ref
 from ..ops.mlapo import MLAWeights, mla_preprocess
 from ..ops.qli import qli_topk
 from ..ops.qsfa import qsfa
@@ -171,7 +170,7 @@ class MLAttention(nn.Module):
             if self.indexer is not None and S > self.config.index_topk:
                 scores = indexer_scores_ref(iq[rows], keys, iw[rows])
                 allowed = selection_mask(select_topk(scores, pos, self.config.index_topk), S)
-            attend = batch.ops.mla_decode if (batch.cache is not None and n_q == 1) else mla_attention_ref
+            attend = batch.ops.mla_decode if (batch.cache is not None and n_q == 1) else batch.ops.mla_prefill
             out[rows] = attend(q_nope[rows], q_pe[rows], latent[:, :self.r], latent[:, self.r:],
                                self.kv_b_proj.weight, self.v, self.scale, allowed)
         return out

@@ -6,7 +6,9 @@ Both functions take the same arguments and return the same [T, H, v] output:
   w_kv_b [H*(n+v), r]                  kv_b_proj.weight
   allowed [T, S] bool                  which keys each query may attend (causal bound or the DSA selection)
 `mla_attention_ref` expands keys/values per head (the transformers form); `mla_attention_absorbed` folds
-W_UK into the query and W_UV into the output so attention runs over the 576-wide latent directly (decode form).
+W_UK into the query and W_UV into the output so attention runs over the 576-wide latent directly (decode form);
+`mla_attention_expanded` is the fast prefill form of the reference: the same expansion, attention by torch's fused
+scaled_dot_product_attention (fp32 softmax statistics, no [T, H, S] score tensor).
 Softmax is fp32; the output is cast to q's dtype.
 """
 
@@ -42,3 +44,18 @@ def mla_attention_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: tor
     p = _masked_softmax(scores * scale, allowed).to(latent.dtype)
     o_lat = torch.einsum("ths,sr->thr", p, latent)
     return torch.einsum("thr,hvr->thv", o_lat, w_uv).to(q_nope.dtype)
+
+
+def mla_attention_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                           w_kv_b: torch.Tensor, v_head_dim: int, scale: float,
+                           allowed: torch.Tensor) -> torch.Tensor:
+    """Fast twin of `mla_attention_ref` for chunks: expanded keys/values, fused attention over the `allowed` mask.
+    Every query row must allow at least one key (a causal bound always does)."""
+    T, H, n = q_nope.shape
+    S = latent.shape[0]
+    kv = torch.nn.functional.linear(latent, w_kv_b).view(S, H, n + v_head_dim)
+    q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)                                   # [H, T, n + rho]
+    k = torch.cat([kv[..., :n], k_pe.to(kv.dtype).unsqueeze(1).expand(S, H, -1)], dim=-1).transpose(0, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, kv[..., n:].transpose(0, 1), attn_mask=allowed,
+                                                           scale=scale)
+    return out.transpose(0, 1).to(q_nope.dtype)
