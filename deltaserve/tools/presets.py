@@ -205,6 +205,62 @@ def _k3(dims: dict, num_bpe: int, indexer: dict | None, mxfp4: bool = False) -> 
     return k3_config(text, indexer=indexer, num_bpe=num_bpe)
 
 
+def _deepseek_v32(*, hidden: int, layers: int, heads: int, q_lora: int | None, kv_lora: int, nope: int, rope: int,
+                  v: int, dense_width: int, experts: int, top_k: int, shared: int, expert_width: int, groups: int,
+                  topk_groups: int, index_heads: int, index_dim: int, index_topk: int, max_len: int,
+                  num_bpe: int) -> dict:
+    """A deepseek_v32 config.json in transformers' DeepseekV32Config layout: MLA with RoPE + the lightning indexer
+    (DSA) on every layer, first layer dense, sigmoid noaux_tc routing over expert groups."""
+    return {
+        "model_type": "deepseek_v32",
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "vocab_size": num_bpe + 256,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "intermediate_size": dense_width,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": max_len,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": False,
+        "q_lora_rank": q_lora,
+        "kv_lora_rank": kv_lora,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": top_k,
+        "n_shared_experts": shared,
+        "moe_intermediate_size": expert_width,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "routed_scaling_factor": 2.5,
+        "n_group": groups,
+        "topk_group": topk_groups,
+        "first_k_dense_replace": 1,
+        "index_n_heads": index_heads,
+        "index_head_dim": index_dim,
+        "index_topk": index_topk,
+        "bos_token_id": num_bpe,  # [BOS] of the K2 table the deepseek tokenizer family reuses
+        "eos_token_id": num_bpe + 2,  # <|im_end|>
+        "pad_token_id": num_bpe + 255,
+        "torch_dtype": "bfloat16",
+    }
+
+
+# deepseek_v32 at benchmark size: the anchor's widths (hidden 1024, 16 layers, 64 experts top-4 of width 256, vocab
+# 32,000) with MLA + indexer on every layer, so transformers and deltaserve can be compared on the second family.
+_DSV32_SMALL = dict(hidden=1024, layers=16, heads=8, q_lora=384, kv_lora=512, nope=128, rope=64, v=128,
+                    dense_width=2048, experts=64, top_k=4, shared=1, expert_width=256, groups=8, topk_groups=4,
+                    index_heads=16, index_dim=64, index_topk=512, max_len=131072, num_bpe=_SMALL_BPE)
+_DSV32_TINY = dict(hidden=64, layers=3, heads=4, q_lora=48, kv_lora=32, nope=16, rope=8, v=16, dense_width=96,
+                   experts=8, top_k=2, shared=1, expert_width=32, groups=4, topk_groups=2, index_heads=8, index_dim=16,
+                   index_topk=16, max_len=4096, num_bpe=_TINY_BPE)
+
+
 PRESETS: dict[str, Preset] = {
     "k31-tiny": Preset("k31-tiny", _k3(_TINY, _TINY_BPE, {"heads": 8, "head_dim": 16, "topk": 16}), "kimi_k3",
                        _TINY_BPE),
@@ -217,6 +273,8 @@ PRESETS: dict[str, Preset] = {
     "k31-pro": Preset("k31-pro", _k3(_PRO, _PRO_BPE, {"heads": 32, "head_dim": 128, "topk": 2048}, mxfp4=True), "kimi_k3",
                       _PRO_BPE),
     "kimi-linear-small": Preset("kimi-linear-small", _kimi_linear_small(), "kimi_linear", _SMALL_BPE),
+    "deepseek-v32-small": Preset("deepseek-v32-small", _deepseek_v32(**_DSV32_SMALL), "deepseek", _SMALL_BPE),
+    "deepseek-v32-tiny": Preset("deepseek-v32-tiny", _deepseek_v32(**_DSV32_TINY), "deepseek", _TINY_BPE),
 }
 
 
