@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-import deltaserve.layers.mla as mla_layer_mod
 from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.mla import MLAttention
@@ -20,7 +21,9 @@ from deltaserve.ops.kda_batched import (
     short_conv_decode_batched,
     short_conv_decode_batched_ref,
 )
+from deltaserve.ops.mla import mla_attention_ref
 from deltaserve.ops.mlapo import MLAWeights, mla_preprocess, mla_preprocess_ref
+from deltaserve.ops.opset import get_ops
 from deltaserve.tools.presets import get_preset
 
 TOL = 1e-5
@@ -292,13 +295,12 @@ def test_mlapo_matches_mla_layer(monkeypatch, use_indexer, q_lora):
             if p.dim() == 1:
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "bias" not in name else 0.1 * torch.randn_like(p))
     captured = {}
-    orig = mla_layer_mod.mla_attention_ref
 
     def spy(q_nope, q_pe, latent, k_pe, w_kv_b, v_dim, scale, allowed):
         captured.setdefault("calls", []).append((q_nope, q_pe, latent, k_pe))
-        return orig(q_nope, q_pe, latent, k_pe, w_kv_b, v_dim, scale, allowed)
+        return mla_attention_ref(q_nope, q_pe, latent, k_pe, w_kv_b, v_dim, scale, allowed)
 
-    monkeypatch.setattr(mla_layer_mod, "mla_attention_ref", spy)
+    ops = dataclasses.replace(get_ops("reference"), mla_prefill=spy, mla_decode=spy)
     if use_indexer:
         orig_project = layer.indexer.project
 
@@ -314,7 +316,7 @@ def test_mlapo_matches_mla_layer(monkeypatch, use_indexer, q_lora):
     qs = [0, 5, 6, 15]
     positions = torch.cat([torch.arange(n) for n in lengths])
     with torch.no_grad():
-        layer(x, StepBatch(positions, qs, [0, 0, 0]))
+        layer(x, StepBatch(positions, qs, [0, 0, 0], ops=ops))
         Wt = MLAWeights.from_layer(layer).fuse()
         out = mla_preprocess(x, Wt, positions, None, config.mla_norm_eps, config.mla_norm_eps, config.index_norm_eps)
         ref = mla_preprocess_ref(x, Wt, positions, None, config.mla_norm_eps, config.mla_norm_eps,
