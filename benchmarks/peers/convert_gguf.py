@@ -1,0 +1,85 @@
+"""Convert a `deltaserve make-model` checkpoint to GGUF with llama.cpp's own converter, plus the fixes it needs.
+
+    python benchmarks/peers/convert_gguf.py LLAMA_CPP_DIR CHECKPOINT OUT.gguf [--outtype bf16]
+
+LLAMA_CPP_DIR is a llama.cpp source tree holding `convert_hf_to_gguf.py` (e.g. `vendor/llama.cpp` of the
+llama-cpp-python sdist: `pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36` and unpack it). Run it
+with a Python that has torch, transformers, numpy and safetensors (the project's .venv does).
+
+Fixes applied (everything else is llama.cpp's converter unchanged):
+
+1. Pre-tokenizer. The converter names the pre-tokenizer by hashing the ids its test string encodes to, and knows
+   only released tokenizers' hashes. `make-model` writes a tiktoken table learned on its own corpus with the
+   Kimi-K2 split pattern (`deltaserve.tokenizer.KIMI_PAT_STR`), so the hash is new and the converter stops with
+   "BPE pre-tokenizer was not recognized". For a `tiktoken.model` checkpoint of the kimi families the unknown hash
+   is mapped to `kimi-k2`, the pre-tokenizer llama.cpp implements for exactly that pattern.
+2. Router activation. llama.cpp's kimi-linear loader requires `expert_gating_func`, which the converter writes only
+   from a config key (`moe_router_activation_func` and its aliases); released Kimi-Linear configs carry
+   `"moe_router_activation_func": "sigmoid"`, the `kimi-linear-*` presets leave it to transformers' default
+   (sigmoid). Without it llama.cpp fails to load the GGUF (missing key `kimi-linear.expert_gating_func`). The
+   converter reads a view folder (weights and tokenizer symlinked) whose config.json adds the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+import tempfile
+from pathlib import Path
+
+ROUTER_KEYS = ("score_function", "scoring_func", "score_func", "moe_router_activation",
+               "moe_router_activation_func", "expert_selection_fn")
+
+
+def view_with_router_key(checkpoint: Path, tmp: Path) -> Path:
+    """`checkpoint` itself, or a view folder whose config.json adds the router activation (fix 2)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config.get("model_type") != "kimi_linear" or any(k in config for k in ROUTER_KEYS):
+        return checkpoint
+    view = tmp / checkpoint.name
+    view.mkdir()
+    for f in checkpoint.iterdir():
+        if f.name != "config.json":
+            (view / f.name).symlink_to(f.resolve())
+    config["moe_router_activation_func"] = "sigmoid"  # transformers' KimiLinearConfig default
+    (view / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return view
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("llama_cpp_dir")
+    p.add_argument("checkpoint")
+    p.add_argument("outfile")
+    p.add_argument("--outtype", default="bf16")
+    args, rest = p.parse_known_args(argv)
+    src = Path(args.llama_cpp_dir).resolve()
+    sys.path[:0] = [str(src), str(src / "gguf-py")]
+
+    from conversion import base  # llama.cpp's converter package
+
+    original = base.TextModel.get_vocab_base_pre
+    kimi_tiktoken = (Path(args.checkpoint) / "tiktoken.model").exists()
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            return original(self, tokenizer)
+        except NotImplementedError:
+            if not kimi_tiktoken:
+                raise
+            base.logger.warning("unknown pre-tokenizer hash for a tiktoken checkpoint: using kimi-k2 (fix 1)")
+            return "kimi-k2"
+
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = view_with_router_key(Path(args.checkpoint).resolve(), Path(tmp))
+        sys.argv = [str(src / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", args.outtype,
+                    "--outfile", args.outfile, *rest]
+        runpy.run_path(str(src / "convert_hf_to_gguf.py"), run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
