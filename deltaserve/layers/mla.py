@@ -69,6 +69,7 @@ class MLAttention(nn.Module):
                        if config.uses_rope or (use_indexer and config.index_use_rope) else None)
         self.scale = config.qk_head_dim ** -0.5 * softmax_scale_factor(config.rope_scaling if config.uses_rope else None)
         self._mlapo: tuple[tuple, MLAWeights] | None = None  # (source-weight key, fused MLAPO weights)
+        self._kv_b_split: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see _split_kv_b
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         pages = batch.cache.mla_pages(self.layer) if batch.cache is not None else None
@@ -102,9 +103,8 @@ class MLAttention(nn.Module):
                 rows = batch.rows(i)
                 batch.cache.write_mla(self.layer, batch.handle(i), batch.context_lens[i], latent_rows[rows],
                                       None if ik is None else ik[rows])
-        w_uk = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)[:, :self.n]
         if self.indexer is not None and batch.index_meta is not None and pages is not None:
-            out = self._sparse_paged(torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe, iq, iw, pages, batch)
+            out = self._sparse_paged(self._absorb(q_nope), q_pe, iq, iw, pages, batch)
         elif self.indexer is None and pages is not None and batch.ops.name == "fast":
             single = [batch.rows(i).stop - batch.rows(i).start == 1 for i in range(batch.num_seqs)]
             decode = [i for i, one in enumerate(single) if one]
@@ -112,7 +112,7 @@ class MLAttention(nn.Module):
                                      [i for i, one in enumerate(single) if not one])
             if decode:
                 rows = torch.tensor([batch.query_start[i] for i in decode], device=x.device)
-                out[rows] = self._dense_decode(torch.einsum("thn,hnr->thr", q_nope[rows], w_uk), q_pe[rows],
+                out[rows] = self._dense_decode(self._absorb(q_nope[rows]), q_pe[rows],
                                                pages[0], decode, batch)
         else:
             out = self._per_sequence(q_nope, q_pe, latent_rows, iq, ik, iw, batch)
@@ -175,6 +175,24 @@ class MLAttention(nn.Module):
                                self.kv_b_proj.weight, self.v, self.scale, allowed)
         return out
 
+    def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous W_UK [H, n, r] and W_UV^T [H, r, v] split from kv_b_proj, kept until its weight changes (so
+        each absorbed product reads one contiguous matrix per head instead of copying a strided view)."""
+        weight = self.kv_b_proj.weight
+        key = (weight.data_ptr(), weight._version)
+        if self._kv_b_split is None or self._kv_b_split[0] != key:
+            w = weight.detach().view(self.H, self.n + self.v, self.r)
+            self._kv_b_split = (key, w[:, :self.n].contiguous(), w[:, self.n:].transpose(1, 2).contiguous())
+        return self._kv_b_split[1], self._kv_b_split[2]
+
+    def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_lat [T, H, r] = per head q_nope W_UK."""
+        return torch.bmm(q_nope.transpose(0, 1), self._split_kv_b()[0]).transpose(0, 1)
+
+    def _unabsorb(self, out_lat: torch.Tensor) -> torch.Tensor:
+        """Heads' values [T, H, v] = per head out_lat W_UV^T."""
+        return torch.bmm(out_lat.transpose(0, 1), self._split_kv_b()[1]).transpose(0, 1)
+
     def _dense_decode(self, q_lat, q_pe, latent_pages, seqs: list[int], batch: StepBatch) -> torch.Tensor:
         """Single-token queries of many sequences at once over their whole context (ops.md §4.5 in the absorbed
         form): each sequence's page rows up to its position are the selected set of QSFA, so the absorption and the
@@ -183,9 +201,8 @@ class MLAttention(nn.Module):
         selected = torch.full((len(seqs), max(lengths)), -1, dtype=torch.long, device=q_lat.device)
         for j, (i, n) in enumerate(zip(seqs, lengths)):
             selected[j, :n] = batch.handle(i).rows[:n]
-        w_uv = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)[:, self.n:]
         out_lat, _ = qsfa(q_lat, q_pe, latent_pages, selected, self.scale)
-        return torch.einsum("thr,hvr->thv", out_lat.to(q_pe.dtype), w_uv)
+        return self._unabsorb(out_lat.to(q_pe.dtype))
 
     def _sparse_paged(self, q_lat, q_pe, iq, iw, pages, batch: StepBatch) -> torch.Tensor:
         """Fast DSA attention over the whole step, from the absorbed queries q_lat [N, H, r]: QLI picks each query's
@@ -194,7 +211,6 @@ class MLAttention(nn.Module):
         latent_pages, key_pages, key_scales = pages
         eight = key_scales is not None  # 8-bit keys were rotated and quantised when written; queries follow suit
         selected = qli_topk(iq, iw, key_pages, key_scales, batch.index_meta, quantized=eight, rotate=eight)
-        w_uv = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r)[:, self.n:]
         out_lat, _ = qsfa(q_lat, q_pe, latent_pages, selected, self.scale)
-        return torch.einsum("thr,hvr->thv", out_lat.to(q_pe.dtype), w_uv)
+        return self._unabsorb(out_lat.to(q_pe.dtype))
 

@@ -80,6 +80,13 @@ class Experts(nn.Module):
         gate, up = linear_group(xe, [self.w1[e], self.w3[e]], gate_up)
         return packed_linear(glu_activation(self.config, gate, up), down.get(self.w2[e]))
 
+    def pack_now(self) -> None:
+        """Pack every expert up front, so no step pays for packing an expert the first time it is routed to."""
+        for e in range(self.w1.shape[0]):
+            self._packed[e] = (PackedConcat(), PackedWeight())
+            self._packed[e][0].get([self.w1[e], self.w3[e]])
+            self._packed[e][1].get(self.w2[e])
+
     def packable_dtype(self) -> torch.dtype:
         return self.w1.dtype
 

@@ -71,10 +71,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def enable_prepacking(model: torch.nn.Module) -> int:
     """Switch every module with a `prepack` switch (Linear, stacked Experts) whose weights are packable to packed
-    weights. Returns how many modules were switched."""
+    weights; modules with a `pack_now` (experts, each used only when routed to) pack at once, the others on their
+    first call. Returns how many modules were switched."""
     switched = 0
     for module in model.modules():
         if hasattr(module, "prepack") and prepack_supported(module.packable_dtype(), module.packable_device()):
             module.prepack = True
+            if hasattr(module, "pack_now"):
+                module.pack_now()
             switched += 1
     return switched
