@@ -18,6 +18,8 @@ Fixes applied (everything else is llama.cpp's converter unchanged):
    `"moe_router_activation_func": "sigmoid"`, the `kimi-linear-*` presets leave it to transformers' default
    (sigmoid). Without it llama.cpp fails to load the GGUF (missing key `kimi-linear.expert_gating_func`). The
    converter reads a view folder (weights and tokenizer symlinked) whose config.json adds the key.
+3. deepseek_v32 only: the converter asserts `add_bos_token: true` in tokenizer_config.json (DeepSeek-V3.2's own file
+   has it; make-model's does not). The view folder's tokenizer_config.json adds it.
 """
 
 from __future__ import annotations
@@ -33,18 +35,28 @@ ROUTER_KEYS = ("score_function", "scoring_func", "score_func", "moe_router_activ
                "moe_router_activation_func", "expert_selection_fn")
 
 
-def view_with_router_key(checkpoint: Path, tmp: Path) -> Path:
-    """`checkpoint` itself, or a view folder whose config.json adds the router activation (fix 2)."""
+def checkpoint_view(checkpoint: Path, tmp: Path) -> Path:
+    """`checkpoint` itself, or a view folder (files symlinked) whose config.json / tokenizer_config.json carry
+    the keys the converter needs (fixes 2 and 3)."""
     config = json.loads((checkpoint / "config.json").read_text())
-    if config.get("model_type") != "kimi_linear" or any(k in config for k in ROUTER_KEYS):
+    tok_path = checkpoint / "tokenizer_config.json"
+    tok = json.loads(tok_path.read_text()) if tok_path.exists() else {}
+    changed = {}
+    if config.get("model_type") == "kimi_linear" and not any(k in config for k in ROUTER_KEYS):
+        config["moe_router_activation_func"] = "sigmoid"  # transformers' KimiLinearConfig default
+        changed["config.json"] = config
+    if config.get("model_type") == "deepseek_v32" and not tok.get("add_bos_token"):
+        tok["add_bos_token"] = True  # DeepSeek-V3.2's own tokenizer_config has it; the converter asserts it
+        changed["tokenizer_config.json"] = tok
+    if not changed:
         return checkpoint
     view = tmp / checkpoint.name
     view.mkdir()
     for f in checkpoint.iterdir():
-        if f.name != "config.json":
+        if f.name not in changed:
             (view / f.name).symlink_to(f.resolve())
-    config["moe_router_activation_func"] = "sigmoid"  # transformers' KimiLinearConfig default
-    (view / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name, data in changed.items():
+        (view / name).write_text(json.dumps(data, indent=2) + "\n")
     return view
 
 
@@ -74,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = view_with_router_key(Path(args.checkpoint).resolve(), Path(tmp))
+        checkpoint = checkpoint_view(Path(args.checkpoint).resolve(), Path(tmp))
         sys.argv = [str(src / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", args.outtype,
                     "--outfile", args.outfile, *rest]
         runpy.run_path(str(src / "convert_hf_to_gguf.py"), run_name="__main__")

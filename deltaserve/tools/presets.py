@@ -257,7 +257,7 @@ _DSV32_SMALL = dict(hidden=1024, layers=16, heads=8, q_lora=384, kv_lora=512, no
                     dense_width=2048, experts=64, top_k=4, shared=1, expert_width=256, groups=8, topk_groups=4,
                     index_heads=16, index_dim=64, index_topk=512, max_len=131072, num_bpe=_SMALL_BPE)
 _DSV32_TINY = dict(hidden=64, layers=3, heads=4, q_lora=48, kv_lora=32, nope=16, rope=8, v=16, dense_width=96,
-                   experts=8, top_k=2, shared=1, expert_width=32, groups=4, topk_groups=2, index_heads=8, index_dim=16,
+                   experts=8, top_k=2, shared=1, expert_width=32, groups=4, topk_groups=2, index_heads=8, index_dim=64,
                    index_topk=16, max_len=4096, num_bpe=_TINY_BPE)
 
 
