@@ -12,7 +12,8 @@ summarised over runs (median [min, max]). The generated ids are compared sequenc
 sequences whose O tokens are identical, `prefix` the mean length of the common prefix (random weights in bf16 can
 flip near-tie argmaxes between two correct implementations; fp32 should agree fully).
 Warm-up generations (one token, batch 1) are not counted. Checkpoints: `deltaserve make-model` of a family that
-transformers implements (kimi_linear: kimi-linear-tiny, kimi-linear-small).
+transformers implements (kimi_linear: kimi-linear-tiny, kimi-linear-small; deepseek_v32: deepseek-v32-tiny,
+deepseek-v32-small). llama.cpp as a further column: llamacpp_vs_deltaserve.py.
 """
 
 from __future__ import annotations
