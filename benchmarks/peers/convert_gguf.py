@@ -20,6 +20,10 @@ Fixes applied (everything else is llama.cpp's converter unchanged):
    converter reads a view folder (weights and tokenizer symlinked) whose config.json adds the key.
 3. deepseek_v32 only: the converter asserts `add_bos_token: true` in tokenizer_config.json (DeepSeek-V3.2's own file
    has it; make-model's does not). The view folder's tokenizer_config.json adds it.
+
+Not a conversion fix but a limit of llama.cpp's runtime: its DSA indexer rotates indexer queries and keys with a
+Hadamard matrix of at least 64, so a deepseek_v32 checkpoint needs index_head_dim a multiple of 64 (it aborts with
+GGML_ASSERT(ggml_can_mul_mat(a, b)) otherwise); the deepseek-v32-* presets use 64.
 """
 
 from __future__ import annotations
