@@ -76,6 +76,28 @@ class MLAttention(nn.Module):
         if (self.indexer is not None and batch.index_meta is not None and pages is not None
                 and batch.write_rows is not None and self._fusable()):
             return self._fused_sparse(x, pages, batch)
+        q_nope, q_pe, latent_rows, c_q, cos_sin = self._project(x, batch)
+        iq = ik = iw = None
+        if self.indexer is not None:
+            iq, ik, iw = self.indexer.project(x, c_q, cos_sin)
+        if pages is not None and batch.write_rows is not None:
+            batch.cache.write_mla_rows(self.layer, batch.write_rows, latent_rows, ik)
+        elif batch.cache is not None:
+            for i in range(batch.num_seqs):
+                rows = batch.rows(i)
+                batch.cache.write_mla(self.layer, batch.handle(i), batch.context_lens[i], latent_rows[rows],
+                                      None if ik is None else ik[rows])
+        if self.indexer is not None and batch.index_meta is not None and pages is not None:
+            out = self._sparse_paged(self._absorb(q_nope), q_pe, iq, iw, pages, batch)
+        elif self.indexer is None and pages is not None and batch.ops.name == "fast":
+            out = self._dense_paged(q_nope, q_pe, latent_rows, pages[0], batch)
+        else:
+            out = self._per_sequence(q_nope, q_pe, latent_rows, iq, ik, iw, batch)
+        return self._output(out, self.g_proj(x) if self.config.mla_use_output_gate else None)
+
+    def _project(self, x: torch.Tensor, batch: StepBatch):
+        """The module chain (model.md §9.1): q_nope [N, H, n], q_pe [N, H, rho] (rotated for RoPE models), the
+        cache rows [c | k_pe] [N, r + rho], c_q (for the indexer) and the rotary cos/sin (or None)."""
         N = x.shape[0]
         if self.config.q_lora_rank is None:
             c_q, q = None, self.q_proj(x)
@@ -91,32 +113,19 @@ class MLAttention(nn.Module):
             cos, sin = cos_sin
             q_pe = rotate_interleaved(q_pe, cos.unsqueeze(1), sin.unsqueeze(1)).to(q.dtype)
             k_pe = rotate_interleaved(k_pe, cos, sin).to(q.dtype)
-        latent_rows = torch.cat([c, k_pe], dim=-1)
-        iq = ik = iw = None
-        if self.indexer is not None:
-            iq, ik, iw = self.indexer.project(x, c_q, cos_sin)
+        return q_nope, q_pe, torch.cat([c, k_pe], dim=-1), c_q, cos_sin
 
-        if pages is not None and batch.write_rows is not None:
-            batch.cache.write_mla_rows(self.layer, batch.write_rows, latent_rows, ik)
-        elif batch.cache is not None:
-            for i in range(batch.num_seqs):
-                rows = batch.rows(i)
-                batch.cache.write_mla(self.layer, batch.handle(i), batch.context_lens[i], latent_rows[rows],
-                                      None if ik is None else ik[rows])
-        if self.indexer is not None and batch.index_meta is not None and pages is not None:
-            out = self._sparse_paged(self._absorb(q_nope), q_pe, iq, iw, pages, batch)
-        elif self.indexer is None and pages is not None and batch.ops.name == "fast":
-            single = [batch.rows(i).stop - batch.rows(i).start == 1 for i in range(batch.num_seqs)]
-            decode = [i for i, one in enumerate(single) if one]
-            out = self._per_sequence(q_nope, q_pe, latent_rows, iq, ik, iw, batch,
-                                     [i for i, one in enumerate(single) if not one])
-            if decode:
-                rows = torch.tensor([batch.query_start[i] for i in decode], device=x.device)
-                out[rows] = self._dense_decode(self._absorb(q_nope[rows]), q_pe[rows],
-                                               pages[0], decode, batch)
-        else:
-            out = self._per_sequence(q_nope, q_pe, latent_rows, iq, ik, iw, batch)
-        return self._output(out, self.g_proj(x) if self.config.mla_use_output_gate else None)
+    def _dense_paged(self, q_nope, q_pe, latent_rows, latent_pages, batch: StepBatch) -> torch.Tensor:
+        """Fast dense MLA over paged latents: every single-token sequence at once (`_dense_decode`), chunks per
+        sequence."""
+        single = [batch.rows(i).stop - batch.rows(i).start == 1 for i in range(batch.num_seqs)]
+        decode = [i for i, one in enumerate(single) if one]
+        out = self._per_sequence(q_nope, q_pe, latent_rows, None, None, None, batch,
+                                 [i for i, one in enumerate(single) if not one])
+        if decode:
+            rows = torch.tensor([batch.query_start[i] for i in decode], device=q_nope.device)
+            out[rows] = self._dense_decode(self._absorb(q_nope[rows]), q_pe[rows], latent_pages, decode, batch)
+        return out
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """o_proj of the heads' outputs [N, H, v], gated by sigmoid(gate) (K3)."""
