@@ -12,7 +12,7 @@ from ..config import ModelConfig
 from ..ops.kda import kda_gate, l2_normalize
 from .batch import StepBatch
 from .linear import Linear
-from .prepack import PackedConcat, linear_group
+from .prepack import PackedWeights, module_group
 from .norm import gated_rms_norm
 
 
@@ -40,15 +40,13 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K))
         self.o_proj = Linear(P, d)
-        self._inputs = PackedConcat()
+        self._inputs = PackedWeights()
 
     def _input_projections(self, x: torch.Tensor) -> list[torch.Tensor]:
         """q, k, v, f_a, b and g (or g_a) of x: one product over their stacked weights when they are prepacked."""
         linears = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                    self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj]
-        if all(getattr(m, "prepack", False) for m in linears):  # an MX linear runs through its own module
-            return linear_group(x, [m.weight for m in linears], self._inputs)
-        return [m(x) for m in linears]
+        return module_group(x, linears, self._inputs)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         N, H, K = x.shape[0], self.H, self.K

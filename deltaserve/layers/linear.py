@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .prepack import PackedWeight, packed_linear
+from .prepack import PackedWeights, packed_linear
 
 
 class Linear(nn.Linear):
@@ -16,11 +16,11 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
         self.prepack = False
-        self._packed = PackedWeight()
+        self._packed = PackedWeights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepack:
-            return packed_linear(x, self._packed.get(self.weight))
+            return packed_linear(x, self._packed.get([self.weight]))
         return F.linear(x, self.weight)
 
     def packable_dtype(self) -> torch.dtype:

@@ -6,7 +6,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.activation import silu_glu, situ_glu
 from .linear import Linear
-from .prepack import PackedConcat, linear_group
+from .prepack import PackedWeights, module_group
 
 
 def glu_activation(config: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -23,12 +23,8 @@ class MLP(nn.Module):
         self.gate_proj = Linear(in_dim, width)
         self.up_proj = Linear(in_dim, width)
         self.down_proj = Linear(width, in_dim)
-
-        self._gate_up = PackedConcat()
+        self._gate_up = PackedWeights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self.gate_proj, "prepack", False) and getattr(self.up_proj, "prepack", False):  # one product
-            gate, up = linear_group(x, [self.gate_proj.weight, self.up_proj.weight], self._gate_up)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = module_group(x, [self.gate_proj, self.up_proj], self._gate_up)  # one product when prepacked
         return self.down_proj(glu_activation(self.config, gate, up))

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .linear import Linear
-from .prepack import PackedConcat, PackedWeight, linear_group, packed_linear
+from .prepack import PackedWeights, linear_group, packed_linear
 from .mlp import MLP, glu_activation
 from .norm import RMSNorm
 
@@ -63,8 +63,8 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, width, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(num_experts, width, dim))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, width))  # down
-        self.prepack = False  # see layers/prepack.py: one packed copy per expert matrix, built on first use
-        self._packed = {}
+        self.prepack = False  # see layers/prepack.py: per expert, gate+up stacked and down, each packed once
+        self._packed: dict[int, tuple[PackedWeights, PackedWeights]] = {}
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         return dispatch_experts(x, routing, self.w1.shape[0], self.run_expert)
@@ -74,18 +74,21 @@ class Experts(nn.Module):
         if not self.prepack:
             return F.linear(glu_activation(self.config, F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e])),
                             self.w2[e])
-        if e not in self._packed:
-            self._packed[e] = (PackedConcat(), PackedWeight())
-        gate_up, down = self._packed[e]
+        gate_up, down = self._packs(e)
         gate, up = linear_group(xe, [self.w1[e], self.w3[e]], gate_up)
-        return packed_linear(glu_activation(self.config, gate, up), down.get(self.w2[e]))
+        return packed_linear(glu_activation(self.config, gate, up), down.get([self.w2[e]]))
+
+    def _packs(self, e: int) -> tuple[PackedWeights, PackedWeights]:
+        if e not in self._packed:
+            self._packed[e] = (PackedWeights(), PackedWeights())
+        return self._packed[e]
 
     def pack_now(self) -> None:
         """Pack every expert up front, so no step pays for packing an expert the first time it is routed to."""
         for e in range(self.w1.shape[0]):
-            self._packed[e] = (PackedConcat(), PackedWeight())
-            self._packed[e][0].get([self.w1[e], self.w3[e]])
-            self._packed[e][1].get(self.w2[e])
+            gate_up, down = self._packs(e)
+            gate_up.get([self.w1[e], self.w3[e]])
+            down.get([self.w2[e]])
 
     def packable_dtype(self) -> torch.dtype:
         return self.w1.dtype

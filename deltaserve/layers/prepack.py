@@ -5,7 +5,7 @@ that reorder costs more than the product (measured on this 2-core EPYC at [4096,
 565 -> 351 us at M = 8, 1563 -> 1256 us at M = 32). Packing once and calling oneDNN's linear on the packed weight
 gives bit-identical outputs (the same kernel; tests/test_prepack.py checks equality) at those speeds.
 
-`PackedWeight` keeps one packed copy of a weight matrix and repacks when the source's storage or version counter
+`PackedWeights` keeps one packed copy of a weight matrix (or of several stacked) and repacks when the source's storage or version counter
 moves, so it never goes stale. The packed copy is extra memory (one more copy of every packed matrix); the engine
 packs only with `--ops fast`, bf16 weights and oneDNN bf16 support, and `--no-prepack-weights` turns it off.
 """
@@ -21,24 +21,9 @@ def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") ->
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-class PackedWeight:
-    """A weight matrix [N, K] packed for `packed_linear`, rebuilt when the source changes."""
-
-    def __init__(self):
-        self._key: tuple[int, int] | None = None
-        self._packed: torch.Tensor | None = None
-
-    def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version)
-        if key != self._key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-            self._key = key
-        return self._packed
-
-
-class PackedConcat:
-    """One packed matrix for several weights that read the same input (their rows stacked in order): one product
-    instead of one per weight. Rebuilt when any source changes."""
+class PackedWeights:
+    """One packed matrix for one weight, or for several weights that read the same input (their rows stacked in
+    order: one product instead of one per weight). Rebuilt when any source's storage or version counter moves."""
 
     def __init__(self):
         self._key: tuple | None = None
@@ -55,17 +40,23 @@ class PackedConcat:
         return self._packed
 
 
-def linear_group(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedConcat | None) -> list[torch.Tensor]:
-    """[x @ w.T for w in weights]: with `packed`, one product over the stacked weights, split (each part made
-    contiguous: later elementwise ops on strided column slices run several times slower on the CPU)."""
-    if packed is None:
-        return [torch.nn.functional.linear(x, w) for w in weights]
+def linear_group(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedWeights) -> list[torch.Tensor]:
+    """[x @ w.T for w in weights] as one product over the stacked packed weights, split (each part made contiguous:
+    later elementwise ops on strided column slices run several times slower on the CPU)."""
     y = packed_linear(x, packed.get(weights))
     return [part.contiguous() for part in torch.split(y, packed.splits, dim=-1)]
 
 
+def module_group(x: torch.Tensor, modules: list[torch.nn.Module], packed: PackedWeights) -> list[torch.Tensor]:
+    """[m(x) for m in modules], as one packed product when every module is a prepacked Linear (an MX linear, or
+    prepacking off, runs each module on its own)."""
+    if all(getattr(m, "prepack", False) for m in modules):
+        return linear_group(x, [m.weight for m in modules], packed)
+    return [m(x) for m in modules]
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ W^T with W packed by `PackedWeight` (same result as `F.linear(x, W)`)."""
+    """x [..., K] @ W^T with W packed by `PackedWeights` (same result as `F.linear(x, W)`)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
