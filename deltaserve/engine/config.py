@@ -44,6 +44,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # MLA latent (+ indexer keys): "auto" (model dtype), "int8" or "fp8" (C8)
     index_cache_dtype: str = "auto"  # DSA indexer keys: "auto" (follow kv_cache_dtype), "int8"/"fp8", or "model"
     prepack_weights: bool = True  # fast ops + bf16: pack weights once for oneDNN (layers/prepack.py)
+    native_kernels: bool = True  # fast ops + bf16: few-row products through ops/native_kernels.c (layers/native_path.py)
     quantization: str | None = None  # MX weights at load: "w8a8-mxfp8", "w4a8-mxfp4", "mxfp" (layers/quantized.py)
     seed: int = 0
 
@@ -108,6 +109,9 @@ class EngineArgs:
                                  "(default: as --kv-cache-dtype)")
         parser.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
                             help="do not keep bf16 weights packed for oneDNN (saves one copy of the linear weights)")
+        parser.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
+                            help="run decode-size bf16 products through oneDNN instead of the native kernels built "
+                                 "at first use with the system C compiler")
         parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                             help="quantise at load: w8a8-mxfp8 (attention linears, shared experts, dense MLPs), "
                                  "w4a8-mxfp4 (routed experts) or mxfp (both); a quantised checkpoint needs none")

@@ -19,6 +19,7 @@ from ..cache.paged_cache import PagedCache
 from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
 from ..errors import ConfigError
+from ..layers.native_path import enable_native_kernels
 from ..layers.prepack import enable_prepacking
 from ..models.loader import DTYPES, load_model
 from ..ops.opset import get_ops
@@ -54,6 +55,8 @@ class EngineCore:
         self.model = load_model(model_path, dtype=args.dtype, quantization=args.quantization)
         if args.prepack_weights and args.ops == "fast":
             log.info("prepacked the weights of %d modules for oneDNN", enable_prepacking(self.model))
+        if args.native_kernels and args.ops == "fast":
+            log.info("native kernels for %d modules", enable_native_kernels(self.model))
         config = self.config = self.model.config
         self.pages, self.states, self.checkpoints = _size_pools(config, args, DTYPES[args.dtype])
         self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.native import linear_bf16
+from .native_path import LINEAR_MAX_ROWS, takes_native
+
 
 def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """oneDNN's packed bf16 linear exists on this build and machine, for weights of this dtype and device."""
@@ -48,8 +51,10 @@ def linear_group(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedWei
 
 
 def module_group(x: torch.Tensor, modules: list[torch.nn.Module], packed: PackedWeights) -> list[torch.Tensor]:
-    """[m(x) for m in modules], as one packed product when every module is a prepacked Linear (an MX linear, or
-    prepacking off, runs each module on its own)."""
+    """[m(x) for m in modules], as one product when every module is a Linear on the native kernels (few rows) or
+    prepacked (an MX linear, or both off, runs each module on its own)."""
+    if all(getattr(m, "native", False) for m in modules) and takes_native(x, LINEAR_MAX_ROWS):
+        return linear_bf16(x, [m.weight for m in modules])
     if all(getattr(m, "prepack", False) for m in modules):
         return linear_group(x, [m.weight for m in modules], packed)
     return [m(x) for m in modules]

@@ -1,0 +1,31 @@
+"""Which modules take the native small-batch kernels (`ops/native.py`) and when.
+
+`enable_native_kernels` switches `native` on for every module that has the switch and bf16 CPU weights, once the
+kernels have built. A switched module still runs its torch path above a row count where oneDNN's blocked GEMM
+is faster (measured on the 2-core EPYC, BENCHMARKS.md): plain linears up to `LINEAR_MAX_ROWS` rows, the fused
+MoE / MLP kernel up to `MOE_MAX_ROWS` tokens. Decode steps and short chunks take the kernels; prefill does not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.native import native_usable
+
+LINEAR_MAX_ROWS = 4
+MOE_MAX_ROWS = 64
+
+
+def takes_native(x: torch.Tensor, max_rows: int) -> bool:
+    """x is a bf16 [rows, K] matrix with contiguous rows and at most max_rows rows."""
+    return x.dim() == 2 and x.shape[0] <= max_rows and x.dtype == torch.bfloat16 and x.stride(1) == 1
+
+
+def enable_native_kernels(model: torch.nn.Module) -> int:
+    """Switch on `native` in every module that has it and whose weights the kernels take; returns how many."""
+    switched = 0
+    for module in model.modules():
+        if hasattr(module, "native") and native_usable(module.packable_dtype(), module.packable_device()):
+            module.native = True
+            switched += 1
+    return switched

@@ -1,0 +1,113 @@
+"""The native small-batch bf16 kernels (`native_kernels.c`): built once per machine, loaded through ctypes.
+
+The source is compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
+into the cache folder (`envs.cache_dir()`), under a name that hashes the source, the flags and the compiler, so
+an edit or a different machine builds anew; a concurrent build by another process is harmless (atomic rename).
+Without a compiler `native_library()` returns None and every caller keeps its torch path.
+
+The wrappers take torch tensors and check what the C side assumes (bf16, CPU, contiguous rows); the reference
+twins are `F.linear` and the torch MoE dispatch in `layers/moe.py` (tests/test_native.py holds them together).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .. import envs
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+@functools.lru_cache(maxsize=1)
+def native_library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None when no compiler or the build fails (logged once)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler: native decode kernels off, torch paths used")
+        return None
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    target = envs.cache_dir() / "native" / f"kernels-{key}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        except OSError as e:
+            log.warning("cannot write the native kernels to %s (%s): torch paths used", target.parent, e)
+            return None
+        os.close(fd)
+        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if build.returncode != 0:
+            os.unlink(tmp)
+            log.warning("building the native kernels failed, torch paths used:\n%s", build.stderr[-2000:])
+            return None
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
+    lib.ds_linear_bf16.argtypes = [_P, _I, _I, _I, _I, _P, ctypes.c_int]
+    lib.ds_linear_bf16.restype = None
+    lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, ctypes.c_int]
+    lib.ds_moe_bf16.restype = ctypes.c_int
+    return lib
+
+
+def native_usable(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """The kernels apply: bf16 weights on the CPU and a library that built."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and native_library() is not None
+
+
+def _rows(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+
+
+def linear_bf16(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[x @ w.T for w in weights] for bf16 x [M, K] and row-major bf16 weights [N_i, K], in one parallel call;
+    each output is a fresh contiguous [M, N_i] bf16 tensor."""
+    if not (_rows(x) and all(_rows(w) and w.shape[1] == x.shape[1] for w in weights)):
+        raise ValueError("linear_bf16 takes bf16 CPU matrices with contiguous rows and matching K")
+    M, K = x.shape
+    outs = [torch.empty(M, w.shape[0], dtype=torch.bfloat16) for w in weights]
+    desc = (ctypes.c_int64 * (5 * len(weights)))()
+    for t, (w, y) in enumerate(zip(weights, outs)):
+        desc[5 * t:5 * t + 5] = [w.data_ptr(), w.stride(0), w.shape[0], y.data_ptr(), y.stride(0)]
+    native_library().ds_linear_bf16(x.data_ptr(), M, x.stride(0), K, len(weights), desc, torch.get_num_threads())
+    return outs
+
+
+def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+             w2: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) with SiLU-GLU experts stacked as w1/w3 [E, I, D] and
+    w2 [E, D, I] (bf16, contiguous); experts int64 [T, k], weights fp32 [T, k]. Returns bf16 [T, D]."""
+    T, D = x.shape
+    E, I, _ = w1.shape
+    if not (x.is_contiguous() and _rows(x) and all(w.dtype == torch.bfloat16 and w.is_contiguous()
+                                                   for w in (w1, w3, w2))
+            and w1.shape == w3.shape == (E, I, D) and w2.shape == (E, D, I)):
+        raise ValueError("moe_bf16 takes contiguous bf16 x [T, D], w1/w3 [E, I, D] and w2 [E, D, I]")
+    experts = experts.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    if experts.shape != weights.shape or experts.shape[0] != T:
+        raise ValueError("moe_bf16: experts and weights must both be [T, k]")
+    k = experts.shape[1]
+    out = torch.empty(T, D, dtype=torch.bfloat16)
+    h = torch.empty(T * k, I, dtype=torch.bfloat16)
+    bad = native_library().ds_moe_bf16(x.data_ptr(), T, D, experts.data_ptr(), weights.data_ptr(), k, w1.data_ptr(),
+                                 w3.data_ptr(), w2.data_ptr(), E, I, h.data_ptr(), out.data_ptr(),
+                                 torch.get_num_threads())
+    if bad:
+        raise ValueError(f"moe_bf16: expert ids must lie in [0, {E})")
+    return out

@@ -1,0 +1,157 @@
+"""The native small-batch bf16 kernels (ops/native.py, ops/native_kernels.c) against their torch twins: F.linear
+and the torch MoE dispatch / MLP, from one row to past the row limits, with K and N tails; wrong input is a
+ValueError; a failed build leaves the torch paths; and the engine's greedy tokens do not move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve import SamplingParams
+from deltaserve.config import ModelConfig
+from deltaserve.layers.linear import Linear
+from deltaserve.layers.mlp import MLP
+from deltaserve.layers.moe import Experts, Routing
+from deltaserve.layers.native_path import MOE_MAX_ROWS, enable_native_kernels
+from deltaserve.ops import native
+from deltaserve.tools.presets import get_preset
+from engine_utils import assert_pools_free, make_llm, random_prompts
+
+pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().T
+
+
+def _assert_rounded_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """got is x @ w.T accumulated to fp32 accuracy, then rounded once to bf16 (half a bf16 step, plus slack for
+    the fp32 accumulation measured against the sum of |products|)."""
+    exact = _exact(x, w)
+    slack = (x.double().abs() @ w.double().abs().T) * 1e-5
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + slack).all()
+
+
+@pytest.mark.parametrize("K", [1024, 96, 37])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9])
+def test_linear_matches_the_exact_product_rounded(M, K):
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    weights = [torch.randn(n, K, generator=g).to(torch.bfloat16) for n in (1, 7, 33, 256)]
+    outs = native.linear_bf16(x, weights)
+    for w, y in zip(weights, outs):
+        _assert_rounded_product(y, x, w)
+        assert y.is_contiguous()
+        torch.testing.assert_close(y, F.linear(x, w), atol=0, rtol=2 ** -7)  # the oneDNN twin, within a bf16 step
+
+
+def test_linear_takes_row_strided_inputs_and_weights():
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(3, 200, generator=g).to(torch.bfloat16)
+    wbig = torch.randn(50, 300, generator=g).to(torch.bfloat16)
+    x, w = big[:, :128], wbig[:20, 100:228]  # row strides 200 and 300
+    _assert_rounded_product(native.linear_bf16(x, [w])[0], x, w)
+
+
+def test_linear_rejects_what_the_kernel_cannot_read():
+    x = torch.randn(2, 16).to(torch.bfloat16)
+    for bad in ([torch.randn(4, 16)], [torch.randn(4, 8).to(torch.bfloat16)], [torch.randn(16, 4).to(torch.bfloat16).T]):
+        with pytest.raises(ValueError):
+            native.linear_bf16(x, bad)
+    with pytest.raises(ValueError):
+        native.linear_bf16(x.float(), [torch.randn(4, 16).to(torch.bfloat16)])
+
+
+def _experts(E: int, D: int, I: int, seed: int) -> Experts:
+    config = ModelConfig.from_dict(get_preset("kimi-linear-tiny").config)
+    g = torch.Generator().manual_seed(seed)
+    experts = Experts(config, E, D, I)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return experts.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 16, MOE_MAX_ROWS + 3])
+def test_moe_matches_the_torch_dispatch(T):
+    E, D, I, k = 8, 96, 40, 3
+    experts = _experts(E, D, I, T)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    routing = Routing(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]), torch.rand(T, k, generator=g))
+    ref = experts(x, routing)
+    got = native.moe_bf16(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2)
+    # the same roundings in the same places; only the fp32 accumulation order of the dot products differs, which
+    # can move an intermediate bf16 rounding by one step
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=2 ** -6)
+    assert (got == ref).float().mean() > 0.9
+    assert enable_native_kernels(experts) == 1
+    switched = experts(x, routing)
+    assert torch.equal(switched, got if T <= MOE_MAX_ROWS else ref)  # above the limit the torch path runs
+
+
+def test_moe_rejects_bad_expert_ids_and_shapes():
+    experts = _experts(4, 32, 16, 0)
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="expert ids"):
+        native.moe_bf16(x, torch.tensor([[0], [4]]), torch.ones(2, 1), experts.w1, experts.w3, experts.w2)
+    with pytest.raises(ValueError):
+        native.moe_bf16(x, torch.tensor([[0], [1]]), torch.ones(2, 1), experts.w1, experts.w3, experts.w1)
+    with pytest.raises(ValueError):
+        native.moe_bf16(x, torch.tensor([[0, 1]]), torch.ones(1, 2), experts.w1, experts.w3, experts.w2)
+
+
+@pytest.mark.parametrize("T", [1, 4, 7])
+def test_mlp_and_linear_modules_switch_to_the_kernels(T):
+    config = ModelConfig.from_dict(get_preset("kimi-linear-tiny").config)
+    g = torch.Generator().manual_seed(T)
+    mlp = MLP(config, 64, 48)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    mlp = mlp.to(torch.bfloat16)
+    x = torch.randn(T, 64, generator=g).to(torch.bfloat16)
+    plain = mlp(x)
+    assert enable_native_kernels(mlp) == 3 and all(m.native for m in mlp.modules() if isinstance(m, Linear))
+    torch.testing.assert_close(mlp(x), plain, atol=2e-3, rtol=2 ** -6)
+
+
+def test_fp32_modules_are_not_switched():
+    assert enable_native_kernels(Linear(32, 16)) == 0
+
+
+def test_a_failed_build_leaves_the_torch_paths(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "SOURCE", broken)
+    native.native_library.cache_clear()
+    try:
+        assert native.native_library() is None
+        assert not native.native_usable(torch.bfloat16)
+        assert enable_native_kernels(Linear(32, 16).to(torch.bfloat16)) == 0
+        assert not list((tmp_path / "cache" / "native").glob("*.so"))  # no half-written library left behind
+    finally:
+        monkeypatch.undo()
+        native.native_library.cache_clear()
+    assert native.native_library() is not None
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "deepseek-v32-tiny"])
+def test_engine_greedy_tokens_unchanged_by_the_kernels(make_checkpoint, preset):
+    path = make_checkpoint(preset)
+    prompts = random_prompts([9, 30, 17], seed=7, high=700)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    runs = []
+    for on in (True, False):
+        llm = make_llm(path, dtype="bfloat16", native_kernels=on)
+        linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+        assert any(m.native for m in linears) == on
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs])
+        assert_pools_free(llm.engine)
+    for (tokens_on, lp_on), (tokens_off, lp_off) in zip(*runs):
+        assert tokens_on == tokens_off
+        torch.testing.assert_close(torch.tensor(lp_on), torch.tensor(lp_off), atol=0.05, rtol=0)
