@@ -13,7 +13,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.mlp import MLP
 from deltaserve.layers.moe import Experts, Routing
-from deltaserve.layers.native_path import MOE_MAX_ROWS, enable_native_kernels
+from deltaserve.layers.native_path import MLP_MAX_ROWS, enable_native_kernels
 from deltaserve.ops import native
 from deltaserve.tools.presets import get_preset
 from engine_utils import assert_pools_free, make_llm, random_prompts
@@ -74,7 +74,7 @@ def _experts(E: int, D: int, I: int, seed: int) -> Experts:
     return experts.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("T", [1, 2, 5, 16, MOE_MAX_ROWS + 3])
+@pytest.mark.parametrize("T", [1, 2, 5, 16, 130])
 def test_moe_matches_the_torch_dispatch(T):
     E, D, I, k = 8, 96, 40, 3
     experts = _experts(E, D, I, T)
@@ -88,8 +88,7 @@ def test_moe_matches_the_torch_dispatch(T):
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=2 ** -6)
     assert (got == ref).float().mean() > 0.9
     assert enable_native_kernels(experts) == 1
-    switched = experts(x, routing)
-    assert torch.equal(switched, got if T <= MOE_MAX_ROWS else ref)  # above the limit the torch path runs
+    assert torch.equal(experts(x, routing), got)
 
 
 def test_moe_rejects_bad_expert_ids_and_shapes():
@@ -103,7 +102,7 @@ def test_moe_rejects_bad_expert_ids_and_shapes():
         native.moe_bf16(x, torch.tensor([[0, 1]]), torch.ones(1, 2), experts.w1, experts.w3, experts.w2)
 
 
-@pytest.mark.parametrize("T", [1, 4, 7])
+@pytest.mark.parametrize("T", [1, 4, 7, MLP_MAX_ROWS + 5])
 def test_mlp_and_linear_modules_switch_to_the_kernels(T):
     config = ModelConfig.from_dict(get_preset("kimi-linear-tiny").config)
     g = torch.Generator().manual_seed(T)
@@ -115,7 +114,10 @@ def test_mlp_and_linear_modules_switch_to_the_kernels(T):
     x = torch.randn(T, 64, generator=g).to(torch.bfloat16)
     plain = mlp(x)
     assert enable_native_kernels(mlp) == 3 and all(m.native for m in mlp.modules() if isinstance(m, Linear))
-    torch.testing.assert_close(mlp(x), plain, atol=2e-3, rtol=2 ** -6)
+    if T <= MLP_MAX_ROWS:
+        torch.testing.assert_close(mlp(x), plain, atol=2e-3, rtol=2 ** -6)
+    else:  # above the limit the torch path runs
+        assert torch.equal(mlp(x), plain)
 
 
 def test_fp32_modules_are_not_switched():
@@ -155,3 +157,55 @@ def test_engine_greedy_tokens_unchanged_by_the_kernels(make_checkpoint, preset):
     for (tokens_on, lp_on), (tokens_off, lp_off) in zip(*runs):
         assert tokens_on == tokens_off
         torch.testing.assert_close(torch.tensor(lp_on), torch.tensor(lp_off), atol=0.05, rtol=0)
+
+
+def _kda_inputs(N: int, H: int, K: int, W: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    P, layers, slots_total = H * K, 3, 6
+    x = torch.randn(N, 3 * P, generator=g).to(dtype)
+    weight = torch.randn(3 * P, W, generator=g) * 0.5
+    conv = torch.randn(slots_total, layers, 3, P, W - 1, generator=g)  # the StateSlots layout: layer 1's view
+    rec = torch.randn(slots_total, layers, H, K, K, generator=g) * 0.1
+    gate = -torch.rand(N, H, K, generator=g)  # log decays <= 0
+    beta = torch.rand(N, H, generator=g)
+    return x, weight, conv, rec, gate, beta
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("slots", [[3], [0, 5, -1, 2]])
+def test_kda_decode_step_matches_its_reference_over_several_steps(dtype, slots):
+    from deltaserve.ops.kda_decode import kda_decode_step, kda_decode_step_ref
+    H, K, W = 2, 32, 4
+    N = len(slots)
+    x, weight, conv, rec, gate, beta = _kda_inputs(N, H, K, W, dtype, len(slots))
+    pools = {name: (conv.clone(), rec.clone()) for name in ("fast", "ref")}
+    slot_t = torch.tensor(slots)
+    for step in range(3):
+        outs = {}
+        for name, op in (("fast", kda_decode_step), ("ref", kda_decode_step_ref)):
+            c, r = pools[name]
+            window = c[:, 1].view(c.shape[0], 3 * H * K, W - 1)
+            outs[name] = op(x + step, weight, window, gate, beta, K ** -0.5, r[:, 1], slot_t)
+        torch.testing.assert_close(outs["fast"], outs["ref"], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(pools["fast"][0], pools["ref"][0], atol=0, rtol=0)  # windows: exact shifts
+        torch.testing.assert_close(pools["fast"][1], pools["ref"][1], atol=2e-5, rtol=1e-4)
+    pad = [i for i, s in enumerate(slots) if s < 0]
+    assert all(not outs["fast"][i].any() for i in pad)
+    untouched = [s for s in range(6) if s not in slots]
+    assert torch.equal(pools["fast"][1][untouched], rec[untouched])
+    assert torch.equal(pools["fast"][1][:, [0, 2]], rec[:, [0, 2]])  # other layers' states untouched
+
+
+def test_kda_decode_step_without_the_library_runs_the_torch_ops(monkeypatch):
+    from deltaserve.ops import kda_decode
+    H, K, W = 2, 16, 4
+    x, weight, conv, rec, gate, beta = _kda_inputs(2, H, K, W, torch.float32, 9)
+    runs = []
+    for lib in (native.native_library, lambda: None):
+        monkeypatch.setattr(native, "native_library", lib)
+        c, r = conv.clone(), rec.clone()
+        o = kda_decode.kda_decode_step(x, weight, c[:, 0].view(6, 3 * H * K, W - 1), gate, beta, None, r[:, 0],
+                                       torch.tensor([1, 4]))
+        runs.append((o, r))
+    torch.testing.assert_close(runs[0][0], runs[1][0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=2e-5, rtol=1e-4)

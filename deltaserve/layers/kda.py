@@ -86,16 +86,11 @@ class KimiDeltaAttention(nn.Module):
 
     def _decode_batched(self, q_in, k_in, v_in, g, beta, pool, slots, ops) -> torch.Tensor:
         """One token for each of n sequences: convs and the delta rule over their slots, in place."""
-        H, K, P = self.H, self.K, self.P
         conv_pool, rec_pool = pool
-        weight = torch.cat([c.weight.view(P, self.W) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
-        window = conv_pool.view(conv_pool.shape[0], 3 * P, self.W - 1)  # a view: updates land in the pool
-        y = ops.short_conv_decode_batched(torch.cat([q_in, k_in, v_in], dim=-1), weight, window, slots)
-        n = y.shape[0]
-        q = l2_normalize(y[:, :P].float().view(n, H, K))
-        k = l2_normalize(y[:, P:2 * P].float().view(n, H, K))
-        v = y[:, 2 * P:].float().view(n, H, K)
-        return ops.kda_decode_batched(q, k, v, g, beta, K ** -0.5, rec_pool, slots)
+        weight = torch.cat([c.weight.view(self.P, self.W) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        window = conv_pool.view(conv_pool.shape[0], 3 * self.P, self.W - 1)  # a view: updates land in the pool
+        return ops.kda_decode_step(torch.cat([q_in, k_in, v_in], dim=-1), weight, window, g, beta, self.K ** -0.5,
+                                   rec_pool, slots)
 
     def _prefill_varlen(self, q_in, k_in, v_in, g, beta, core, seqs, pool, batch) -> None:
         """Chunks of several sequences, states read and written in their slots. A chunk is cut at its prefix-cache

@@ -7,7 +7,7 @@ from ..config import ModelConfig
 from ..ops.activation import silu_glu, situ_glu
 from ..ops.native import moe_bf16
 from .linear import Linear
-from .native_path import MOE_MAX_ROWS, takes_native
+from .native_path import MLP_MAX_ROWS, takes_native
 from .prepack import PackedWeights, module_group
 
 
@@ -29,7 +29,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linears = (self.gate_proj, self.up_proj, self.down_proj)
-        if self.config.hidden_act != "situ" and all(m.native for m in linears) and takes_native(x, MOE_MAX_ROWS):
+        if self.config.hidden_act != "situ" and all(m.native for m in linears) and takes_native(x, MLP_MAX_ROWS):
             # the fused expert kernel with one expert of weight 1: the same roundings as the three products
             T = x.shape[0]
             return moe_bf16(x.contiguous(), torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1),

@@ -13,7 +13,6 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.native import moe_bf16
 from .linear import Linear
-from .native_path import MOE_MAX_ROWS, takes_native
 from .prepack import PackedWeights, linear_group, packed_linear
 from .mlp import MLP, glu_activation
 from .norm import RMSNorm
@@ -66,11 +65,11 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, width, dim))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, width))  # down
         self.prepack = False  # see layers/prepack.py: per expert, gate+up stacked and down, each packed once
-        self.native = False  # see layers/native_path.py: a few tokens through the fused expert kernel
+        self.native = False  # see layers/native_path.py: every token through the fused expert kernel
         self._packed: dict[int, tuple[PackedWeights, PackedWeights]] = {}
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self.native and self.config.hidden_act != "situ" and takes_native(x, MOE_MAX_ROWS):
+        if self.native and self.config.hidden_act != "situ" and x.dtype == torch.bfloat16:
             return moe_bf16(x.contiguous(), routing.experts, routing.weights, self.w1, self.w3, self.w2)
         return dispatch_experts(x, routing, self.w1.shape[0], self.run_expert)
 

@@ -228,3 +228,85 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
     free(hrows);
     return 0;
 }
+
+/* One KDA decode token for each of n sequences (model.md §8.2, §8.5): the short convs of q, k, v from the slot's
+ * window (SiLU, rounded to the input dtype as the torch conv returns it), the window shifted in place, q and k
+ * L2-normalised in fp32 (eps 1e-6 inside the sqrt), q scaled, then the gated delta rule on the slot's fp32 state
+ * [H, K, K] in place: S' = D S + k d^T with D = diag(e^g), d = beta (v - S^T (e^g k)), out = S'^T q.
+ * x [n, 3P] rows hold q | k | v before the conv (bf16 when x_bf16, else fp32; row stride ldx), P = H K.
+ * conv_w [3P, W] fp32; conv: slot s, channel c at conv + s * conv_slot_stride + c * (W - 1).
+ * rec: slot s at rec + s * rec_slot_stride, [H, K, K] contiguous. A slot < 0 is padding: zeros out, no state.
+ * One work item per (sequence, head); items touch disjoint channels and state. */
+void ds_kda_decode(int64_t n, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16, const float *conv_w,
+                   int64_t W, float *conv, int64_t conv_slot_stride, const float *g, const float *beta, float scale,
+                   float *rec, int64_t rec_slot_stride, const int64_t *slots, float *out, int nthreads) {
+    int64_t P = H * K;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *y = malloc(sizeof(float) * (size_t)(3 * K)), *kd = malloc(sizeof(float) * (size_t)(2 * K));
+        float *pk = malloc(sizeof(float) * (size_t)(3 * K));
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < n * H; item++) {
+            int64_t i = item / H, h = item % H, s = slots[i];
+            float *o = out + (i * H + h) * K;
+            if (s < 0) {
+                memset(o, 0, sizeof(float) * (size_t)K);
+                continue;
+            }
+            for (int j = 0; j < 3; j++)
+                for (int64_t c = 0; c < K; c++) {
+                    int64_t ch = j * P + h * K + c;
+                    float xv = x_bf16 ? bf16_to_f32(((const bf16 *)x)[i * ldx + ch]) : ((const float *)x)[i * ldx + ch];
+                    const float *w = conv_w + ch * W;
+                    float *win = conv + s * conv_slot_stride + ch * (W - 1);
+                    float acc = xv * w[W - 1];
+                    for (int64_t t = 0; t < W - 1; t++) acc = acc + win[t] * w[t];
+                    for (int64_t t = 0; t + 1 < W - 1; t++) win[t] = win[t + 1];
+                    if (W > 1) win[W - 2] = xv;
+                    float act = silu(acc);
+                    y[j * K + c] = x_bf16 ? round_bf16(act) : act;
+                }
+            float *q = y, *k = y + K, *v = y + 2 * K;
+            float sq = 0.f, sk = 0.f;
+            for (int64_t c = 0; c < K; c++) {
+                sq += q[c] * q[c];
+                sk += k[c] * k[c];
+            }
+            float rq = 1.f / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f), kq = 0.f;
+            const float *gi = g + (i * H + h) * K;
+            float *ekq = kd, *eqq = kd + K; /* e^g k and e^g q (q normalised and scaled) */
+            for (int64_t c = 0; c < K; c++) {
+                q[c] = q[c] * rq * scale;
+                k[c] = k[c] * rk;
+                kq += k[c] * q[c];
+                float d = expf(gi[c]);
+                ekq[c] = d * k[c];
+                eqq[c] = d * q[c];
+            }
+            float *S = rec + s * rec_slot_stride + h * K * K;
+            float *sk_ = pk, *sq_ = pk + K, *delta = pk + 2 * K;
+            for (int64_t c = 0; c < K; c++) sk_[c] = sq_[c] = 0.f;
+            for (int64_t r = 0; r < K; r++) { /* old-state matvecs S^T (e^g k), S^T (e^g q) */
+                const float *Sr = S + r * K;
+                float a = ekq[r], b = eqq[r];
+                for (int64_t c = 0; c < K; c++) {
+                    sk_[c] += a * Sr[c];
+                    sq_[c] += b * Sr[c];
+                }
+            }
+            float bt = beta[i * H + h];
+            for (int64_t c = 0; c < K; c++) {
+                delta[c] = (v[c] - sk_[c]) * bt;
+                o[c] = sq_[c] + kq * delta[c];
+            }
+            for (int64_t r = 0; r < K; r++) { /* S' = D S + k delta^T */
+                float *Sr = S + r * K;
+                float d = expf(gi[r]), kr = k[r];
+                for (int64_t c = 0; c < K; c++) Sr[c] = d * Sr[c] + kr * delta[c];
+            }
+        }
+        free(y);
+        free(kd);
+        free(pk);
+    }
+}
