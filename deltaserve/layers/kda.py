@@ -84,20 +84,23 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(out.reshape(N, self.P))
 
 
+    def _conv_weight(self) -> torch.Tensor:
+        return torch.cat([c.weight.view(self.P, self.W) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+
     def _decode_batched(self, q_in, k_in, v_in, g, beta, pool, slots, ops) -> torch.Tensor:
         """One token for each of n sequences: convs and the delta rule over their slots, in place."""
         conv_pool, rec_pool = pool
-        weight = torch.cat([c.weight.view(self.P, self.W) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
         window = conv_pool.view(conv_pool.shape[0], 3 * self.P, self.W - 1)  # a view: updates land in the pool
-        return ops.kda_decode_step(torch.cat([q_in, k_in, v_in], dim=-1), weight, window, g, beta, self.K ** -0.5,
-                                   rec_pool, slots)
+        return ops.kda_decode_step(torch.cat([q_in, k_in, v_in], dim=-1), self._conv_weight(), window, g, beta,
+                                   self.K ** -0.5, rec_pool, slots)
 
     def _prefill_varlen(self, q_in, k_in, v_in, g, beta, core, seqs, pool, batch) -> None:
         """Chunks of several sequences, states read and written in their slots. A chunk is cut at its prefix-cache
-        snapshot offsets; round r runs the r-th piece of every sequence in one varlen call (short convs per piece,
-        each from its slot's window), and a piece ending at a snapshot copies the slot's state into the checkpoint."""
-        H, K = self.H, self.K
+        snapshot offsets; round r runs the r-th piece of every sequence in one varlen call (convs from each slot's
+        window), and a piece ending at a snapshot copies the slot's state into the checkpoint."""
         conv_pool, rec_pool = pool
+        window = conv_pool.view(conv_pool.shape[0], 3 * self.P, self.W - 1)
+        x, weight = torch.cat([q_in, k_in, v_in], dim=-1), self._conv_weight()
         pieces = {}
         for i in seqs:
             rows, start, cuts = batch.rows(i), batch.rows(i).start, []
@@ -109,25 +112,11 @@ class KimiDeltaAttention(nn.Module):
             active = [(i, pieces[i][r]) for i in seqs if r < len(pieces[i])]
             run = [(i, a, b) for i, (a, b, _) in active if b > a]
             if run:
-                qs, ks, vs, lengths = [], [], [], []
-                for i, a, b in run:
-                    slot = batch.handle(i).slot
-                    outs = []
-                    for j, (inp, conv) in enumerate(((q_in, self.q_conv1d), (k_in, self.k_conv1d),
-                                                     (v_in, self.v_conv1d))):
-                        y, window = batch.ops.short_conv(inp[a:b], conv.weight.view(self.P, self.W),
-                                                         conv_pool[slot, j])
-                        conv_pool[slot, j].copy_(window)
-                        outs.append(y)
-                    qs.append(l2_normalize(outs[0].float().view(b - a, H, K)))
-                    ks.append(l2_normalize(outs[1].float().view(b - a, H, K)))
-                    vs.append(outs[2].float().view(b - a, H, K))
-                    lengths.append(b - a)
                 index = torch.cat([torch.arange(a, b) for _, a, b in run])
-                cu = torch.tensor([0] + lengths).cumsum(0)
+                cu = torch.tensor([0] + [b - a for _, a, b in run]).cumsum(0)
                 slots = torch.tensor([batch.handle(i).slot for i, _, _ in run])
-                core[index] = batch.ops.kda_prefill_varlen(torch.cat(qs), torch.cat(ks), torch.cat(vs), g[index],
-                                                           beta[index], K ** -0.5, cu, rec_pool, slots)
+                core[index] = batch.ops.kda_step_varlen(x[index], weight, window, g[index], beta[index],
+                                                        self.K ** -0.5, cu, rec_pool, slots)
             for i, (_, _, checkpoint) in active:
                 if checkpoint is not None:
                     slot = batch.handle(i).slot

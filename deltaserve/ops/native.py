@@ -7,7 +7,7 @@ Without a compiler `native_library()` returns None and every caller keeps its to
 
 The wrappers take torch tensors and check what the C side assumes (bf16, CPU, contiguous rows); the reference
 twins are `F.linear` and the torch MoE dispatch in `layers/moe.py` (tests/test_native.py holds them together).
-The KDA decode kernel is wrapped by `ops/kda_decode.py`, an op of the op set with its own reference.
+The KDA kernels are wrapped by `ops/kda_native.py`: ops of the op set, each with its reference twin.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_linear_bf16.restype = None
     lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, ctypes.c_int]
     lib.ds_moe_bf16.restype = ctypes.c_int
-    lib.ds_kda_decode.argtypes = [_I, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P, _I,
-                                  _P, _P, ctypes.c_int]
-    lib.ds_kda_decode.restype = None
+    lib.ds_kda_step.argtypes = [_I, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P,
+                                _I, _P, _P, ctypes.c_int]
+    lib.ds_kda_step.restype = None
     return lib
 
 

@@ -229,84 +229,200 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
     return 0;
 }
 
-/* One KDA decode token for each of n sequences (model.md §8.2, §8.5): the short convs of q, k, v from the slot's
- * window (SiLU, rounded to the input dtype as the torch conv returns it), the window shifted in place, q and k
- * L2-normalised in fp32 (eps 1e-6 inside the sqrt), q scaled, then the gated delta rule on the slot's fp32 state
- * [H, K, K] in place: S' = D S + k d^T with D = diag(e^g), d = beta (v - S^T (e^g k)), out = S'^T q.
- * x [n, 3P] rows hold q | k | v before the conv (bf16 when x_bf16, else fp32; row stride ldx), P = H K.
- * conv_w [3P, W] fp32; conv: slot s, channel c at conv + s * conv_slot_stride + c * (W - 1).
- * rec: slot s at rec + s * rec_slot_stride, [H, K, K] contiguous. A slot < 0 is padding: zeros out, no state.
- * One work item per (sequence, head); items touch disjoint channels and state. */
-void ds_kda_decode(int64_t n, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16, const float *conv_w,
-                   int64_t W, float *conv, int64_t conv_slot_stride, const float *g, const float *beta, float scale,
-                   float *rec, int64_t rec_slot_stride, const int64_t *slots, float *out, int nthreads) {
-    int64_t P = H * K;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float *y = malloc(sizeof(float) * (size_t)(3 * K)), *kd = malloc(sizeof(float) * (size_t)(2 * K));
-        float *pk = malloc(sizeof(float) * (size_t)(3 * K));
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < n * H; item++) {
-            int64_t i = item / H, h = item % H, s = slots[i];
-            float *o = out + (i * H + h) * K;
-            if (s < 0) {
-                memset(o, 0, sizeof(float) * (size_t)K);
-                continue;
-            }
-            for (int j = 0; j < 3; j++)
-                for (int64_t c = 0; c < K; c++) {
-                    int64_t ch = j * P + h * K + c;
-                    float xv = x_bf16 ? bf16_to_f32(((const bf16 *)x)[i * ldx + ch]) : ((const float *)x)[i * ldx + ch];
-                    const float *w = conv_w + ch * W;
-                    float *win = conv + s * conv_slot_stride + ch * (W - 1);
-                    float acc = xv * w[W - 1];
-                    for (int64_t t = 0; t < W - 1; t++) acc = acc + win[t] * w[t];
-                    for (int64_t t = 0; t + 1 < W - 1; t++) win[t] = win[t + 1];
-                    if (W > 1) win[W - 2] = xv;
-                    float act = silu(acc);
-                    y[j * K + c] = x_bf16 ? round_bf16(act) : act;
-                }
-            float *q = y, *k = y + K, *v = y + 2 * K;
-            float sq = 0.f, sk = 0.f;
-            for (int64_t c = 0; c < K; c++) {
-                sq += q[c] * q[c];
-                sk += k[c] * k[c];
-            }
-            float rq = 1.f / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f), kq = 0.f;
-            const float *gi = g + (i * H + h) * K;
-            float *ekq = kd, *eqq = kd + K; /* e^g k and e^g q (q normalised and scaled) */
-            for (int64_t c = 0; c < K; c++) {
-                q[c] = q[c] * rq * scale;
-                k[c] = k[c] * rk;
-                kq += k[c] * q[c];
-                float d = expf(gi[c]);
-                ekq[c] = d * k[c];
-                eqq[c] = d * q[c];
-            }
-            float *S = rec + s * rec_slot_stride + h * K * K;
-            float *sk_ = pk, *sq_ = pk + K, *delta = pk + 2 * K;
-            for (int64_t c = 0; c < K; c++) sk_[c] = sq_[c] = 0.f;
-            for (int64_t r = 0; r < K; r++) { /* old-state matvecs S^T (e^g k), S^T (e^g q) */
-                const float *Sr = S + r * K;
-                float a = ekq[r], b = eqq[r];
-                for (int64_t c = 0; c < K; c++) {
-                    sk_[c] += a * Sr[c];
-                    sq_[c] += b * Sr[c];
-                }
-            }
-            float bt = beta[i * H + h];
-            for (int64_t c = 0; c < K; c++) {
-                delta[c] = (v[c] - sk_[c]) * bt;
-                o[c] = sq_[c] + kq * delta[c];
-            }
-            for (int64_t r = 0; r < K; r++) { /* S' = D S + k delta^T */
-                float *Sr = S + r * K;
-                float d = expf(gi[r]), kr = k[r];
-                for (int64_t c = 0; c < K; c++) Sr[c] = d * Sr[c] + kr * delta[c];
+/* out[i] = exp(in[i]) for n values: Cephes' single-precision polynomial (about 1 ulp) scaled by 2^round(x log2 e)
+ * with AVX512 (scalef handles overflow and underflow); expf elsewhere. in and out may alias. */
+static void vexp(float *out, const float *in, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), c1 = _mm512_set1_ps(0.693359375f),
+                 c2 = _mm512_set1_ps(-2.12194440e-4f), lo = _mm512_set1_ps(-104.f), hi = _mm512_set1_ps(88.75f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_loadu_ps(in + i), lo), hi);
+        __m512 m = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(m, c2, _mm512_fnmadd_ps(m, c1, x));
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+        _mm512_storeu_ps(out + i, _mm512_scalef_ps(p, m));
+    }
+#endif
+    for (; i < n; i++) out[i] = expf(in[i]);
+}
+
+/* One token of the gated delta rule on a [K, K] state S (row r = key index), in place: with ekq = e^g k and
+ * eqq = e^g q, sk = S^T ekq and sq = S^T eqq over the old state, delta = bt (v - sk), o = sq + kq delta, then
+ * S[r] = d[r] S[r] + k[r] delta. With AVX512 and K % 16 == 0 it runs column block by column block (up to 64
+ * columns: both passes over a block's 32 KiB stay in L1, the sums in registers). */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void delta_block(float *S, int64_t K, int64_t c0, const int NV,
+                                                              const float *ekq, const float *eqq, const float *d,
+                                                              const float *k, const float *v, float bt, float kq,
+                                                              float *o) {
+    __m512 sk[4], sq[4], dl[4];
+    for (int j = 0; j < NV; j++) sk[j] = sq[j] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < K; r++) {
+        __m512 a = _mm512_set1_ps(ekq[r]), e = _mm512_set1_ps(eqq[r]);
+        for (int j = 0; j < NV; j++) {
+            __m512 srow = _mm512_loadu_ps(S + r * K + c0 + 16 * j);
+            sk[j] = _mm512_fmadd_ps(a, srow, sk[j]);
+            sq[j] = _mm512_fmadd_ps(e, srow, sq[j]);
+        }
+    }
+    __m512 b = _mm512_set1_ps(bt), kqv = _mm512_set1_ps(kq);
+    for (int j = 0; j < NV; j++) {
+        dl[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + c0 + 16 * j), sk[j]), b);
+        _mm512_storeu_ps(o + c0 + 16 * j, _mm512_fmadd_ps(kqv, dl[j], sq[j]));
+    }
+    for (int64_t r = 0; r < K; r++) {
+        __m512 dr = _mm512_set1_ps(d[r]), kr = _mm512_set1_ps(k[r]);
+        for (int j = 0; j < NV; j++) {
+            float *p = S + r * K + c0 + 16 * j;
+            _mm512_storeu_ps(p, _mm512_fmadd_ps(dr, _mm512_loadu_ps(p), _mm512_mul_ps(kr, dl[j])));
+        }
+    }
+}
+#endif
+
+static void delta_rule_token(float *S, int64_t K, const float *ekq, const float *eqq, const float *d, const float *k,
+                             const float *v, float bt, float kq, float *o, float *scratch /* [3K] */) {
+#if defined(__AVX512F__)
+    if (K % 16 == 0) {
+        for (int64_t c0 = 0; c0 < K;) {
+            int64_t left = (K - c0) / 16;
+            switch (left >= 4 ? 4 : left) {
+            case 1: delta_block(S, K, c0, 1, ekq, eqq, d, k, v, bt, kq, o); c0 += 16; break;
+            case 2: delta_block(S, K, c0, 2, ekq, eqq, d, k, v, bt, kq, o); c0 += 32; break;
+            case 3: delta_block(S, K, c0, 3, ekq, eqq, d, k, v, bt, kq, o); c0 += 48; break;
+            default: delta_block(S, K, c0, 4, ekq, eqq, d, k, v, bt, kq, o); c0 += 64; break;
             }
         }
+        return;
+    }
+#endif
+    float *sk = scratch, *sq = scratch + K, *delta = scratch + 2 * K;
+    for (int64_t c = 0; c < K; c++) sk[c] = sq[c] = 0.f;
+    for (int64_t r = 0; r < K; r++)
+        for (int64_t c = 0; c < K; c++) {
+            sk[c] += ekq[r] * S[r * K + c];
+            sq[c] += eqq[r] * S[r * K + c];
+        }
+    for (int64_t c = 0; c < K; c++) {
+        delta[c] = (v[c] - sk[c]) * bt;
+        o[c] = sq[c] + kq * delta[c];
+    }
+    for (int64_t r = 0; r < K; r++)
+        for (int64_t c = 0; c < K; c++) S[r * K + c] = d[r] * S[r * K + c] + k[r] * delta[c];
+}
+
+/* KDA over the tokens of several sequences, from the projections to the core output (model.md §8.2, §8.5): per
+ * token, the short convs of q, k, v over the slot's window (SiLU, rounded to the input dtype as the torch conv
+ * returns it), q and k L2-normalised in fp32 (eps 1e-6 inside the sqrt), q scaled, then the gated delta rule on
+ * the slot's fp32 state [H, K, K] in place: S' = D S + k d^T with D = diag(e^g), d = beta (v - S^T (e^g k)),
+ * out = S'^T q (both matvecs read the old state); the window ends holding the last W-1 inputs.
+ * Sequence b owns tokens [cu[b], cu[b+1]) and slot slots[b]; a slot < 0 is padding (zeros out, no state).
+ * x [T, 3P] rows hold q | k | v before the conv (bf16 when x_bf16, else fp32; row stride ldx), P = H K;
+ * g [T, H, K], beta [T, H] fp32 contiguous; out [T, H, K] fp32. conv_wt [W, 3P] fp32 (the conv weights
+ * transposed: tap-major); the window of slot s, channel c is at conv + s * conv_slot_stride + c * (W - 1) (oldest
+ * first); the state of slot s at rec + s * rec_slot_stride.
+ * One work item per (sequence, head): items touch disjoint channels and state, and a head's 64 KiB state stays
+ * in the core's cache for all of its tokens. The convs of a block of tokens run first, vectorised over channels. */
+#define KDA_BLOCK 32
+void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
+                 const float *conv_wt, int64_t W, float *conv, int64_t conv_slot_stride, const float *g,
+                 const float *beta, float scale, float *rec, int64_t rec_slot_stride, const int64_t *slots,
+                 float *out, int nthreads) {
+    int64_t P = H * K, C3 = 3 * K;
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* hist [W-1][3K]: the window of the head's channels, tap-major; y [KDA_BLOCK][3K]: conv outputs */
+        float *hist = malloc(sizeof(float) * (size_t)((W > 1 ? W - 1 : 1) * C3));
+        float *y = malloc(sizeof(float) * (size_t)(KDA_BLOCK * C3)), *xin = malloc(sizeof(float) * (size_t)C3);
+        float *vec = malloc(sizeof(float) * (size_t)(7 * K));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < nseq * H; item++) {
+            int64_t b = item / H, h = item % H, s = slots[b], t0 = cu[b], n = cu[b + 1] - cu[b];
+            if (s < 0) {
+                for (int64_t t = t0; t < t0 + n; t++) memset(out + (t * H + h) * K, 0, sizeof(float) * (size_t)K);
+                continue;
+            }
+            float *win = conv + s * conv_slot_stride, *S = rec + s * rec_slot_stride + h * K * K;
+            for (int j = 0; j < 3; j++)
+                for (int64_t c = 0; c < K; c++)
+                    for (int64_t u = 0; u < W - 1; u++) hist[u * C3 + j * K + c] = win[(j * P + h * K + c) * (W - 1) + u];
+            /* input at sequence position i (may be negative: then from the window) for the head's channels */
+#define LOAD_INPUT(i, dst)                                                                                       \
+    do {                                                                                                         \
+        int64_t i_ = (i);                                                                                        \
+        if (i_ < 0) {                                                                                            \
+            memcpy(dst, hist + (W - 1 + i_) * C3, sizeof(float) * (size_t)C3);                                  \
+        } else {                                                                                                 \
+            for (int j_ = 0; j_ < 3; j_++) {                                                                     \
+                int64_t base_ = (t0 + i_) * ldx + j_ * P + h * K;                                                \
+                for (int64_t c_ = 0; c_ < K; c_++)                                                               \
+                    dst[j_ * K + c_] = x_bf16 ? bf16_to_f32(((const bf16 *)x)[base_ + c_])                      \
+                                              : ((const float *)x)[base_ + c_];                                  \
+            }                                                                                                    \
+        }                                                                                                        \
+    } while (0)
+            for (int64_t i0 = 0; i0 < n; i0 += KDA_BLOCK) {
+                int64_t nb = n - i0 < KDA_BLOCK ? n - i0 : KDA_BLOCK;
+                for (int64_t i = 0; i < nb; i++) { /* conv: acc = sum_u w[u] x[i - (W-1) + u] */
+                    float *acc = y + i * C3;
+                    for (int64_t c = 0; c < C3; c++) acc[c] = 0.f;
+                    for (int64_t u = 0; u < W; u++) {
+                        LOAD_INPUT(i0 + i - (W - 1) + u, xin);
+                        const float *wu = conv_wt + u * 3 * P;
+                        for (int j = 0; j < 3; j++) {
+                            const float *wj = wu + j * P + h * K;
+                            for (int64_t c = 0; c < K; c++) acc[j * K + c] += wj[c] * xin[j * K + c];
+                        }
+                    }
+                    float *e = vec; /* silu(a) = a / (1 + e^-a), in blocks of K */
+                    for (int64_t c0 = 0; c0 < C3; c0 += K) {
+                        for (int64_t c = 0; c < K; c++) e[c] = -acc[c0 + c];
+                        vexp(e, e, K);
+                        for (int64_t c = 0; c < K; c++) {
+                            float act = acc[c0 + c] / (1.f + e[c]);
+                            acc[c0 + c] = x_bf16 ? round_bf16(act) : act;
+                        }
+                    }
+                }
+                for (int64_t i = 0; i < nb; i++) { /* the delta rule, token by token */
+                    int64_t t = t0 + i0 + i;
+                    float *q = y + i * C3, *k = q + K, *v = q + 2 * K;
+                    float *d = vec, *ekq = vec + K, *eqq = vec + 2 * K, *sk = vec + 3 * K; /* sk: [3K] scratch */
+                    float nq = 0.f, nk = 0.f, kq = 0.f;
+                    for (int64_t c = 0; c < K; c++) {
+                        nq += q[c] * q[c];
+                        nk += k[c] * k[c];
+                    }
+                    float rq = scale / sqrtf(nq + 1e-6f), rk = 1.f / sqrtf(nk + 1e-6f);
+                    vexp(d, g + (t * H + h) * K, K);
+                    for (int64_t c = 0; c < K; c++) {
+                        q[c] *= rq;
+                        k[c] *= rk;
+                        kq += k[c] * q[c];
+                        ekq[c] = d[c] * k[c];
+                        eqq[c] = d[c] * q[c];
+                    }
+                    delta_rule_token(S, K, ekq, eqq, d, k, v, beta[t * H + h], kq, out + (t * H + h) * K, sk);
+                }
+            }
+            /* the window keeps the last W-1 inputs, oldest first */
+            for (int64_t u = 0; u < W - 1; u++) {
+                LOAD_INPUT(n - (W - 1) + u, xin);
+                for (int j = 0; j < 3; j++)
+                    for (int64_t c = 0; c < K; c++) win[(j * P + h * K + c) * (W - 1) + u] = xin[j * K + c];
+            }
+#undef LOAD_INPUT
+        }
+        free(hist);
         free(y);
-        free(kd);
-        free(pk);
+        free(xin);
+        free(vec);
     }
 }
