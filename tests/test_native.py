@@ -47,6 +47,35 @@ def test_linear_matches_the_exact_product_rounded(M, K):
         torch.testing.assert_close(y, F.linear(x, w), atol=0, rtol=2 ** -7)  # the oneDNN twin, within a bf16 step
 
 
+@pytest.mark.parametrize("K", [1024, 96, 37])
+def test_packed_weights_give_the_row_major_products(K):
+    g = torch.Generator().manual_seed(K)
+    for M in (1, 3, 4):
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        for N in (1, 7, 33, 256):
+            w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+            packed = native.pack_rows(w)
+            assert packed.shape == native.packed_shape(w.shape)
+            assert torch.equal(native.linear_packed(x, packed, N), native.linear_bf16(x, [w])[0])
+    with pytest.raises(ValueError):
+        native.linear_packed(x, native.pack_rows(w), N + 4)
+
+
+def test_native_linear_follows_weight_changes():
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(64, 40).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 64, generator=g))
+    assert enable_native_kernels(lin) == 1
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    _assert_rounded_product(lin(x), x, lin.weight)
+    with torch.no_grad():
+        lin.weight.mul_(-3.0)  # in place: the packed copy must follow
+    _assert_rounded_product(lin(x), x, lin.weight)
+    lin.weight = torch.nn.Parameter(torch.randn(40, 64, generator=g).to(torch.bfloat16))  # replaced
+    _assert_rounded_product(lin(x), x, lin.weight)
+
+
 def test_linear_takes_row_strided_inputs_and_weights():
     g = torch.Generator().manual_seed(1)
     big = torch.randn(3, 200, generator=g).to(torch.bfloat16)

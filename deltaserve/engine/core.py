@@ -53,10 +53,10 @@ class EngineCore:
     def __init__(self, args: EngineArgs, model_path: Path):
         self.args = args
         self.model = load_model(model_path, dtype=args.dtype, quantization=args.quantization)
+        if args.native_kernels and args.ops == "fast":  # first: experts on the kernels skip the oneDNN packs
+            log.info("native kernels for %d modules", enable_native_kernels(self.model))
         if args.prepack_weights and args.ops == "fast":
             log.info("prepacked the weights of %d modules for oneDNN", enable_prepacking(self.model))
-        if args.native_kernels and args.ops == "fast":
-            log.info("native kernels for %d modules", enable_native_kernels(self.model))
         config = self.config = self.model.config
         self.pages, self.states, self.checkpoints = _size_pools(config, args, DTYPES[args.dtype])
         self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)

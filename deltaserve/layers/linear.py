@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.native import linear_bf16
+from ..ops.native import linear_packed
 from .native_path import LINEAR_MAX_ROWS, takes_native
 from .prepack import PackedWeights, packed_linear
 
@@ -14,7 +14,7 @@ class Linear(nn.Linear):
 
     With `prepack` on (set by `layers.prepack.enable_prepacking`), the bf16 weight is packed once for oneDNN and
     products run on the packed copy: bit-identical to `F.linear`, faster at decode sizes. With `native` on (set by
-    `layers.native_path.enable_native_kernels`), a few rows run the native bf16 kernel on the plain weight."""
+    `layers.native_path.enable_native_kernels`), a few rows run the native bf16 kernel on its own packed copy."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
@@ -24,7 +24,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and takes_native(x, LINEAR_MAX_ROWS):
-            return linear_bf16(x, [self.weight])[0]
+            return linear_packed(x, self._packed.get_native([self.weight]), self.out_features)
         if self.prepack:
             return packed_linear(x, self._packed.get([self.weight]))
         return F.linear(x, self.weight)

@@ -32,7 +32,8 @@ class MLP(nn.Module):
         if self.config.hidden_act != "situ" and all(m.native for m in linears) and takes_native(x, MLP_MAX_ROWS):
             # the fused expert kernel with one expert of weight 1: the same roundings as the three products
             T = x.shape[0]
+            packed = tuple(m._packed.get_native([m.weight]).unsqueeze(0) for m in linears)
             return moe_bf16(x.contiguous(), torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1),
-                            *(m.weight.unsqueeze(0) for m in linears))
+                            *(m.weight.unsqueeze(0) for m in linears), packed=packed)
         gate, up = module_group(x, [self.gate_proj, self.up_proj], self._gate_up)  # one product when prepacked
         return self.down_proj(glu_activation(self.config, gate, up))

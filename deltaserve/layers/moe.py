@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.native import moe_bf16
+from ..ops.native import moe_bf16, pack_rows
 from .linear import Linear
 from .prepack import PackedWeights, linear_group, packed_linear
 from .mlp import MLP, glu_activation
@@ -67,10 +67,12 @@ class Experts(nn.Module):
         self.prepack = False  # see layers/prepack.py: per expert, gate+up stacked and down, each packed once
         self.native = False  # see layers/native_path.py: every token through the fused expert kernel
         self._packed: dict[int, tuple[PackedWeights, PackedWeights]] = {}
+        self._native_packed: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         if self.native and self.config.hidden_act != "situ" and x.dtype == torch.bfloat16:
-            return moe_bf16(x.contiguous(), routing.experts, routing.weights, self.w1, self.w3, self.w2)
+            return moe_bf16(x.contiguous(), routing.experts, routing.weights, self.w1, self.w3, self.w2,
+                            packed=self._native_weights())
         return dispatch_experts(x, routing, self.w1.shape[0], self.run_expert)
 
     def run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
@@ -87,8 +89,21 @@ class Experts(nn.Module):
             self._packed[e] = (PackedWeights(), PackedWeights())
         return self._packed[e]
 
+    def _native_weights(self) -> tuple[torch.Tensor, ...]:
+        """w1, w3, w2 in the native kernels' packed layout, rebuilt when a source's storage or version moves."""
+        key = tuple((w.data_ptr(), w._version) for w in (self.w1, self.w3, self.w2))
+        if self._native_packed is None or self._native_packed[0] != key:
+            self._native_packed = (key, tuple(pack_rows(w) for w in (self.w1, self.w3, self.w2)))
+        return self._native_packed[1]
+
     def pack_now(self) -> None:
-        """Pack every expert up front, so no step pays for packing an expert the first time it is routed to."""
+        """Pack every expert up front, so no step pays for packing an expert the first time it is routed to: all
+        of them in the native layout when the kernels run the experts (the oneDNN packs are then dropped), else
+        one oneDNN pack per expert."""
+        if self.native:
+            self._packed.clear()
+            self._native_weights()
+            return
         for e in range(self.w1.shape[0]):
             gate_up, down = self._packs(e)
             gate_up.get([self.w1[e], self.w3[e]])

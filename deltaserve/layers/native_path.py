@@ -24,10 +24,13 @@ def takes_native(x: torch.Tensor, max_rows: int) -> bool:
 
 
 def enable_native_kernels(model: torch.nn.Module) -> int:
-    """Switch on `native` in every module that has it and whose weights the kernels take; returns how many."""
+    """Switch on `native` in every module that has it and whose weights the kernels take (modules with a `pack_now`,
+    the experts, pack at once); returns how many."""
     switched = 0
     for module in model.modules():
         if hasattr(module, "native") and native_usable(module.packable_dtype(), module.packable_device()):
             module.native = True
+            if hasattr(module, "pack_now"):
+                module.pack_now()
             switched += 1
     return switched

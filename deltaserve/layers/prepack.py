@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.native import linear_bf16
+from ..ops.native import linear_packed, pack_rows
 from .native_path import LINEAR_MAX_ROWS, takes_native
 
 
@@ -25,22 +25,31 @@ def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") ->
 
 
 class PackedWeights:
-    """One packed matrix for one weight, or for several weights that read the same input (their rows stacked in
-    order: one product instead of one per weight). Rebuilt when any source's storage or version counter moves."""
+    """Packed copies of one weight, or of several weights that read the same input (their rows stacked in order:
+    one product instead of one per weight): oneDNN's blocked form (`get`) and the native kernels' row tiles
+    (`get_native`, ops/native.py), each built on first use. Both are rebuilt when any source's storage or version
+    counter moves."""
 
     def __init__(self):
         self._key: tuple | None = None
-        self._packed: torch.Tensor | None = None
+        self._forms: dict[str, torch.Tensor] = {}
         self.splits: tuple[int, ...] = ()
 
-    def get(self, weights: list[torch.Tensor]) -> torch.Tensor:
+    def _form(self, weights: list[torch.Tensor], name: str, pack) -> torch.Tensor:
         key = tuple((w.data_ptr(), w._version) for w in weights)
         if key != self._key:
-            stacked = torch.cat([w.detach() for w in weights], dim=0)
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(stacked, None)
+            self._forms.clear()
             self.splits = tuple(w.shape[0] for w in weights)
             self._key = key
-        return self._packed
+        if name not in self._forms:
+            self._forms[name] = pack(torch.cat([w.detach() for w in weights], dim=0))
+        return self._forms[name]
+
+    def get(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        return self._form(weights, "onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
+
+    def get_native(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        return self._form(weights, "native", pack_rows)
 
 
 def linear_group(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedWeights) -> list[torch.Tensor]:
@@ -52,11 +61,14 @@ def linear_group(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedWei
 
 def module_group(x: torch.Tensor, modules: list[torch.nn.Module], packed: PackedWeights) -> list[torch.Tensor]:
     """[m(x) for m in modules], as one product when every module is a Linear on the native kernels (few rows) or
-    prepacked (an MX linear, or both off, runs each module on its own)."""
+    prepacked (an MX linear, or both off, runs each module on its own). The native product's parts are column
+    views of one [rows, sum N] output (at a few rows, strided views cost nothing)."""
+    weights = [getattr(m, "weight", None) for m in modules]
     if all(getattr(m, "native", False) for m in modules) and takes_native(x, LINEAR_MAX_ROWS):
-        return linear_bf16(x, [m.weight for m in modules])
+        y = linear_packed(x, packed.get_native(weights), sum(w.shape[0] for w in weights))
+        return list(torch.split(y, packed.splits, dim=-1))
     if all(getattr(m, "prepack", False) for m in modules):
-        return linear_group(x, [m.weight for m in modules], packed)
+        return linear_group(x, weights, packed)
     return [m(x) for m in modules]
 
 

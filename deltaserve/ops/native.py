@@ -61,7 +61,7 @@ def native_library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     lib.ds_linear_bf16.argtypes = [_P, _I, _I, _I, _I, _P, ctypes.c_int]
     lib.ds_linear_bf16.restype = None
-    lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, ctypes.c_int]
+    lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P, ctypes.c_int]
     lib.ds_moe_bf16.restype = ctypes.c_int
     lib.ds_kda_step.argtypes = [_I, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P,
                                 _I, _P, _P, ctypes.c_int]
@@ -78,9 +78,26 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
 
 
+def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape `pack_rows` gives weights of this shape."""
+    *lead, N, K = shape
+    return (*lead, -(-N // 4), -(-K // 32), 4, 32)
+
+
+def pack_rows(w: torch.Tensor) -> torch.Tensor:
+    """The kernels' packed layout of bf16 weights [..., N, K] (one matrix, or a stack: experts): per matrix, tiles
+    of 4 rows, each [ceil(K/32), 4, 32] with rows and K zero-padded, so a tile is one sequential stream (row-major
+    rows are 4 short streams; packed reads ~30% faster from DRAM at decode on this EPYC)."""
+    N, K = w.shape[-2:]
+    Np, Kp = -(-N // 4) * 4, -(-K // 32) * 32
+    lead = w.shape[:-2]
+    padded = torch.nn.functional.pad(w.detach().to(torch.bfloat16), (0, Kp - K, 0, Np - N))
+    return padded.reshape(*lead, Np // 4, 4, Kp // 32, 32).transpose(-3, -2).contiguous()
+
+
 def linear_bf16(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """[x @ w.T for w in weights] for bf16 x [M, K] and row-major bf16 weights [N_i, K], in one parallel call;
-    each output is a fresh contiguous [M, N_i] bf16 tensor."""
+    each output is a fresh contiguous [M, N_i] bf16 tensor (the unpacked form, for weights read once)."""
     if not (_rows(x) and all(_rows(w) and w.shape[1] == x.shape[1] for w in weights)):
         raise ValueError("linear_bf16 takes bf16 CPU matrices with contiguous rows and matching K")
     M, K = x.shape
@@ -92,16 +109,32 @@ def linear_bf16(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tens
     return outs
 
 
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Tensor:
+    """x [M, K] (bf16, contiguous rows) @ W^T for W [n_out, K] packed by `pack_rows`; returns [M, n_out] bf16."""
+    M, K = x.shape
+    if not (_rows(x) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+            and tuple(packed.shape) == packed_shape((n_out, K))):
+        raise ValueError("linear_packed takes bf16 x [M, K] with contiguous rows and a pack_rows weight of that K")
+    y = torch.empty(M, n_out, dtype=torch.bfloat16)
+    desc = (ctypes.c_int64 * 5)(packed.data_ptr(), -1, n_out, y.data_ptr(), n_out)
+    native_library().ds_linear_bf16(x.data_ptr(), M, x.stride(0), K, 1, desc, torch.get_num_threads())
+    return y
+
+
 def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-             w2: torch.Tensor) -> torch.Tensor:
+             w2: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) with SiLU-GLU experts stacked as w1/w3 [E, I, D] and
-    w2 [E, D, I] (bf16, contiguous); experts int64 [T, k], weights fp32 [T, k]. Returns bf16 [T, D]."""
+    w2 [E, D, I] (bf16, contiguous); experts int64 [T, k], weights fp32 [T, k]. Returns bf16 [T, D]. With
+    `packed` (`pack_rows` of w1, w3, w2) the kernel reads those; w1/w3/w2 then give the shapes."""
     T, D = x.shape
     E, I, _ = w1.shape
-    if not (x.is_contiguous() and _rows(x) and all(w.dtype == torch.bfloat16 and w.is_contiguous()
-                                                   for w in (w1, w3, w2))
-            and w1.shape == w3.shape == (E, I, D) and w2.shape == (E, D, I)):
+    if not (x.is_contiguous() and _rows(x) and w1.shape == w3.shape == (E, I, D) and w2.shape == (E, D, I)):
         raise ValueError("moe_bf16 takes contiguous bf16 x [T, D], w1/w3 [E, I, D] and w2 [E, D, I]")
+    mats = packed if packed is not None else (w1, w3, w2)
+    if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in mats):
+        raise ValueError("moe_bf16 takes contiguous bf16 expert weights")
+    if packed is not None and [tuple(p.shape) for p in packed] != [packed_shape(w.shape) for w in (w1, w3, w2)]:
+        raise ValueError("moe_bf16: packed weights must be pack_rows(w1), pack_rows(w3), pack_rows(w2)")
     experts = experts.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     if experts.shape != weights.shape or experts.shape[0] != T:
@@ -109,9 +142,9 @@ def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: 
     k = experts.shape[1]
     out = torch.empty(T, D, dtype=torch.bfloat16)
     h = torch.empty(T * k, I, dtype=torch.bfloat16)
-    bad = native_library().ds_moe_bf16(x.data_ptr(), T, D, experts.data_ptr(), weights.data_ptr(), k, w1.data_ptr(),
-                                 w3.data_ptr(), w2.data_ptr(), E, I, h.data_ptr(), out.data_ptr(),
-                                 torch.get_num_threads())
+    bad = native_library().ds_moe_bf16(x.data_ptr(), T, D, experts.data_ptr(), weights.data_ptr(), k,
+                                       mats[0].data_ptr(), mats[1].data_ptr(), mats[2].data_ptr(), E, I,
+                                       packed is not None, h.data_ptr(), out.data_ptr(), torch.get_num_threads())
     if bad:
         raise ValueError(f"moe_bf16: expert ids must lie in [0, {E})")
     return out

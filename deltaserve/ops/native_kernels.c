@@ -46,7 +46,7 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 /* out[i][j] = dot(x[i], w[j]) over K for i < NX (<= MAX_X) and TILE_ROWS rows j (row pointers may repeat).
  * NX is a compile-time constant at every call (see dot_tile), so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void dot_tile_n(const bf16 *const *x, const int NX,
-                                                             const bf16 *const *w, int64_t K,
+                                                             const bf16 *const *w, int64_t K, const int64_t kstep,
                                                              float out[MAX_X][TILE_ROWS]) {
 #if defined(__AVX512BF16__)
     __m512 acc[MAX_X][TILE_ROWS];
@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) void dot_tile_n(const bf16 *const *
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         __m512i wv[TILE_ROWS];
-        for (int j = 0; j < TILE_ROWS; j++) wv[j] = _mm512_loadu_si512(w[j] + k);
+        for (int j = 0; j < TILE_ROWS; j++) wv[j] = _mm512_loadu_si512(w[j] + k / 32 * kstep);
         for (int i = 0; i < NX; i++) {
             __m512i xv = _mm512_loadu_si512(x[i] + k);
             for (int j = 0; j < TILE_ROWS; j++)
@@ -65,7 +65,7 @@ static inline __attribute__((always_inline)) void dot_tile_n(const bf16 *const *
     if (k < K) {
         __mmask32 m = (__mmask32)((1u << (K - k)) - 1u);
         __m512i wv[TILE_ROWS];
-        for (int j = 0; j < TILE_ROWS; j++) wv[j] = _mm512_maskz_loadu_epi16(m, w[j] + k);
+        for (int j = 0; j < TILE_ROWS; j++) wv[j] = _mm512_maskz_loadu_epi16(m, w[j] + k / 32 * kstep);
         for (int i = 0; i < NX; i++) {
             __m512i xv = _mm512_maskz_loadu_epi16(m, x[i] + k);
             for (int j = 0; j < TILE_ROWS; j++)
@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) void dot_tile_n(const bf16 *const *
         __m512 wv[TILE_ROWS];
         for (int j = 0; j < TILE_ROWS; j++)
             wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w[j] + k)), 16));
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w[j] + k / 32 * kstep + k % 32)), 16));
         for (int i = 0; i < NX; i++) {
             __m512 xv = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x[i] + k)), 16));
@@ -96,31 +96,45 @@ static inline __attribute__((always_inline)) void dot_tile_n(const bf16 *const *
     for (int i = 0; i < NX; i++)
         for (int j = 0; j < TILE_ROWS; j++) {
             float s = 0.f;
-            for (int64_t k = 0; k < K; k++) s += bf16_to_f32(x[i][k]) * bf16_to_f32(w[j][k]);
+            for (int64_t k = 0; k < K; k++) s += bf16_to_f32(x[i][k]) * bf16_to_f32(w[j][k / 32 * kstep + k % 32]);
             out[i][j] = s;
         }
 #endif
 }
 
-static void dot_tile(const bf16 *const *x, int nx, const bf16 *const *w, int64_t K, float out[MAX_X][TILE_ROWS]) {
+static void dot_tile(const bf16 *const *x, int nx, const bf16 *const *w, int64_t K, int64_t kstep,
+                     float out[MAX_X][TILE_ROWS]) {
     switch (nx) {
-    case 1: dot_tile_n(x, 1, w, K, out); break;
-    case 2: dot_tile_n(x, 2, w, K, out); break;
-    case 3: dot_tile_n(x, 3, w, K, out); break;
-    default: dot_tile_n(x, 4, w, K, out); break;
+    case 1: dot_tile_n(x, 1, w, K, kstep, out); break;
+    case 2: dot_tile_n(x, 2, w, K, kstep, out); break;
+    case 3: dot_tile_n(x, 3, w, K, kstep, out); break;
+    default: dot_tile_n(x, 4, w, K, kstep, out); break;
     }
 }
 
-/* dots[i][n - n0] = dot(x rows[i], w row n) for n in [n0, n1), all M rows (in tiles of MAX_X inputs). */
+/* The packed layout of a [N, K] weight (see pack_rows in ops/native.py): tiles of TILE_ROWS rows, each tile
+ * [ceil(K/32)][TILE_ROWS][32] with rows and K zero-padded, so one tile is one sequential stream (the hardware
+ * prefetchers follow one stream far better than TILE_ROWS short ones: ~30% more bandwidth at decode). */
+static inline int64_t padded_k(int64_t K) { return (K + 31) / 32 * 32; }
+
+/* dots[i][n - n0] = dot(x rows[i], w row n) for n in [n0, n1) (n0 a multiple of TILE_ROWS), all M rows (in tiles
+ * of MAX_X inputs). w is row-major with row stride ldw, or packed (ldw < 0). */
 static void dot_block(const bf16 *const *xrows, int64_t M, const bf16 *w, int64_t ldw, int64_t N, int64_t n0,
                       int64_t n1, int64_t K, float *dots /* [M][BLOCK_ROWS] */) {
     for (int64_t n = n0; n < n1; n += TILE_ROWS) {
         const bf16 *wr[TILE_ROWS];
-        for (int j = 0; j < TILE_ROWS; j++) wr[j] = w + (n + j < N ? n + j : N - 1) * ldw;
+        int64_t kstep = 32;
+        if (ldw < 0) {
+            const bf16 *tile = w + n * padded_k(K);
+            for (int j = 0; j < TILE_ROWS; j++) wr[j] = tile + j * 32;
+            kstep = TILE_ROWS * 32;
+        } else {
+            for (int j = 0; j < TILE_ROWS; j++) wr[j] = w + (n + j < N ? n + j : N - 1) * ldw;
+        }
         for (int64_t i0 = 0; i0 < M; i0 += MAX_X) {
             int nx = M - i0 < MAX_X ? (int)(M - i0) : MAX_X;
             float out[MAX_X][TILE_ROWS];
-            dot_tile(xrows + i0, nx, wr, K, out);
+            dot_tile(xrows + i0, nx, wr, K, kstep, out);
             for (int i = 0; i < nx; i++)
                 for (int j = 0; j < TILE_ROWS && n + j < n1; j++) dots[(i0 + i) * BLOCK_ROWS + (n + j - n0)] = out[i][j];
         }
@@ -128,8 +142,8 @@ static void dot_block(const bf16 *const *xrows, int64_t M, const bf16 *w, int64_
 }
 
 /* Linear products sharing one input x [M, K] (row stride ldx): for each task t, y_t [M, N_t] (row stride ldy_t)
- * = x @ W_t^T with W_t [N_t, K] row-major (row stride ldw_t), rounded to bf16. desc holds 5 int64 per task:
- * W_t's address, ldw_t, N_t, y_t's address, ldy_t. */
+ * = x @ W_t^T with W_t [N_t, K] row-major (row stride ldw_t) or packed (ldw_t = -1), rounded to bf16. desc holds
+ * 5 int64 per task: W_t's address, ldw_t, N_t, y_t's address, ldy_t. */
 void ds_linear_bf16(const bf16 *x, int64_t M, int64_t ldx, int64_t K, int64_t ntasks, const int64_t *desc,
                     int nthreads) {
     int64_t nitems = 0;
@@ -156,13 +170,18 @@ void ds_linear_bf16(const bf16 *x, int64_t M, int64_t ldx, int64_t K, int64_t nt
 static inline float silu(float g) { return g / (1.f + expf(-g)); }
 
 /* Gated experts over a few tokens: out [T, D] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t]), where
- * expert_e(v) = W2[e] @ (silu(W1[e] v) * (W3[e] v)). W1/W3 are [E, I, D], W2 is [E, D, I], contiguous.
+ * expert_e(v) = W2[e] @ (silu(W1[e] v) * (W3[e] v)). W1/W3 are [E, I, D], W2 is [E, D, I], contiguous, or each
+ * expert's matrix packed (packed != 0).
  * Each expert runs once over the tokens that picked it. h [T*k, I] is scratch. Rounding as the reference:
  * gate, up, silu(gate), the GLU product and each expert's output are bf16; the combine is fp32, rounded once.
  * A dense MLP is the case E = 1, k = 1, weight 1. Returns 0, or -1 (nothing computed) for an id outside [0, E). */
 int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
-                 const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, bf16 *h, bf16 *out,
-                 int nthreads) {
+                const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, bf16 *h, bf16 *out,
+                int nthreads) {
+    /* per-expert matrix strides and row strides: row-major, or packed (row stride -1) */
+    int64_t s13 = packed ? (I + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(D) : I * D;
+    int64_t s2 = packed ? (D + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(I) : D * I;
+    int64_t ld13 = packed ? -1 : D, ld2 = packed ? -1 : I;
     int64_t P = T * k;
     for (int64_t p = 0; p < P; p++)
         if (experts[p] < 0 || experts[p] >= E) return -1;
@@ -190,8 +209,8 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
         for (int64_t item = 0; item < nused * iblocks; item++) {
             int64_t e = used[item / iblocks], n0 = (item % iblocks) * BLOCK_ROWS;
             int64_t n1 = n0 + BLOCK_ROWS < I ? n0 + BLOCK_ROWS : I, s0 = start[e], m = start[e + 1] - s0;
-            dot_block(xrows + s0, m, w1 + e * I * D, D, I, n0, n1, D, g);
-            dot_block(xrows + s0, m, w3 + e * I * D, D, I, n0, n1, D, u);
+            dot_block(xrows + s0, m, w1 + e * s13, ld13, I, n0, n1, D, g);
+            dot_block(xrows + s0, m, w3 + e * s13, ld13, I, n0, n1, D, u);
             for (int64_t i = 0; i < m; i++)
                 for (int64_t n = n0; n < n1; n++) {
                     float gi = round_bf16(g[i * BLOCK_ROWS + n - n0]), ui = round_bf16(u[i * BLOCK_ROWS + n - n0]);
@@ -205,7 +224,7 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
             float *y = g; /* [P][BLOCK_ROWS] expert outputs of this row block, in pair order */
             for (int64_t ue = 0; ue < nused; ue++) {
                 int64_t e = used[ue], s0 = start[e], m = start[e + 1] - s0;
-                dot_block(hrows + s0, m, w2 + e * D * I, I, D, n0, n1, I, u);
+                dot_block(hrows + s0, m, w2 + e * s2, ld2, D, n0, n1, I, u);
                 for (int64_t i = 0; i < m; i++)
                     for (int64_t n = n0; n < n1; n++)
                         y[order[s0 + i] * BLOCK_ROWS + n - n0] = round_bf16(u[i * BLOCK_ROWS + n - n0]);
