@@ -276,3 +276,25 @@ def test_kda_ops_without_the_library_run_the_torch_ops(monkeypatch):
         runs.append((o, o2, c, r))
     for fast, fallback in zip(*runs):
         torch.testing.assert_close(fast, fallback, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 5])
+def test_qsfa_kernel_matches_the_torch_form(monkeypatch, dtype, T):
+    from deltaserve.ops import qsfa as qsfa_mod
+    g = torch.Generator().manual_seed(T)
+    H, r, rho, rows, k = 3, 64, 16, 90, 40
+    q_lat, q_pe = torch.randn(T, H, r, generator=g), torch.randn(T, H, rho, generator=g)
+    latent = torch.randn(rows, r + rho, generator=g).to(dtype)
+    selected = torch.stack([torch.randperm(rows, generator=g)[:k] for _ in range(T)])
+    selected[0, 17:] = -1  # a short row (more than one block of 16 rows, then padding)
+    if T > 1:
+        selected[1] = -1   # no row at all: zeros and lse -inf
+    fast = qsfa_mod.qsfa(q_lat, q_pe, latent, selected, 0.3)
+    monkeypatch.setattr(native, "native_library", lambda: None)
+    torch_form = qsfa_mod.qsfa(q_lat, q_pe, latent, selected, 0.3)
+    for a, b in zip(fast, torch_form):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    monkeypatch.undo()
+    with pytest.raises(IndexError):
+        qsfa_mod.qsfa(q_lat, q_pe, latent, torch.full((T, 2), rows), 0.3)

@@ -66,6 +66,9 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_kda_step.argtypes = [_I, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P,
                                 _I, _P, _P, ctypes.c_int]
     lib.ds_kda_step.restype = None
+    lib.ds_qsfa.argtypes = [_I, _I, _I, _I, _P, _P, _P, _I, _I, ctypes.c_int, _P, _I, ctypes.c_float, _P, _P,
+                            ctypes.c_int]
+    lib.ds_qsfa.restype = ctypes.c_int
     return lib
 
 

@@ -248,6 +248,23 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
     return 0;
 }
 
+/* sum_i a[i] b[i] in fp32, 16 lanes at a time with AVX512 (a fixed summation order, not the sequential one). */
+static inline float dotf(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 /* out[i] = exp(in[i]) for n values: Cephes' single-precision polynomial (about 1 ulp) scaled by 2^round(x log2 e)
  * with AVX512 (scalef handles overflow and underflow); expf elsewhere. in and out may alias. */
 static void vexp(float *out, const float *in, int64_t n) {
@@ -414,20 +431,15 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
                     int64_t t = t0 + i0 + i;
                     float *q = y + i * C3, *k = q + K, *v = q + 2 * K;
                     float *d = vec, *ekq = vec + K, *eqq = vec + 2 * K, *sk = vec + 3 * K; /* sk: [3K] scratch */
-                    float nq = 0.f, nk = 0.f, kq = 0.f;
-                    for (int64_t c = 0; c < K; c++) {
-                        nq += q[c] * q[c];
-                        nk += k[c] * k[c];
-                    }
-                    float rq = scale / sqrtf(nq + 1e-6f), rk = 1.f / sqrtf(nk + 1e-6f);
+                    float rq = scale / sqrtf(dotf(q, q, K) + 1e-6f), rk = 1.f / sqrtf(dotf(k, k, K) + 1e-6f);
                     vexp(d, g + (t * H + h) * K, K);
                     for (int64_t c = 0; c < K; c++) {
                         q[c] *= rq;
                         k[c] *= rk;
-                        kq += k[c] * q[c];
                         ekq[c] = d[c] * k[c];
                         eqq[c] = d[c] * q[c];
                     }
+                    float kq = dotf(k, q, K);
                     delta_rule_token(S, K, ekq, eqq, d, k, v, beta[t * H + h], kq, out + (t * H + h) * K, sk);
                 }
             }
@@ -444,4 +456,94 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
         free(xin);
         free(vec);
     }
+}
+
+/* Sparse absorbed MLA attention (QSFA, ops.md §4.5) over bf16 or fp32 latent rows: for query t and head h, the
+ * softmax over its selected rows j (selected[t, :] up to the first -1) of scale (q_lat[t,h] . c_j + q_pe[t,h] .
+ * kpe_j), out_lat[t,h] = sum_j p_j c_j and lse[t,h] = log sum_j exp(score_j) (-inf and a zero output when no row
+ * is selected). q_lat [T, H, r], q_pe [T, H, rho] fp32 contiguous; latent rows [c | kpe] of width r + rho at
+ * row stride ld (bf16 when lat_bf16). One pass over the rows with a running max (rows read once per item);
+ * an item is one query and a group of heads (all heads unless there are fewer queries than threads).
+ * Returns 0, or -1 (nothing computed) when a selected row is not below nrows. */
+#define QSFA_ROWS 16
+int ds_qsfa(int64_t T, int64_t H, int64_t r, int64_t rho, const float *q_lat, const float *q_pe, const void *lat,
+            int64_t ld, int64_t nrows, int lat_bf16, const int64_t *selected, int64_t kmax, float scale, float *out,
+            float *lse, int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < kmax && selected[t * kmax + j] >= 0; j++)
+            if (selected[t * kmax + j] >= nrows) return -1;
+    int64_t split = T < nthreads ? (H < nthreads ? H : nthreads) : 1, hper = (H + split - 1) / split;
+    int64_t width = r + rho;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *row = malloc(sizeof(float) * (size_t)(QSFA_ROWS * width));
+        float *sc = malloc(sizeof(float) * (size_t)(QSFA_ROWS * hper)), *mx = malloc(sizeof(float) * (size_t)hper);
+        float *z = malloc(sizeof(float) * (size_t)hper);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < T * split; item++) {
+            int64_t t = item / split, h0 = (item % split) * hper, h1 = h0 + hper < H ? h0 + hper : H, nh = h1 - h0;
+            if (nh <= 0) continue;
+            const int64_t *sel = selected + t * kmax;
+            int64_t n = 0;
+            while (n < kmax && sel[n] >= 0) n++;
+            float *o = out + (t * H + h0) * r;
+            memset(o, 0, sizeof(float) * (size_t)(nh * r));
+            for (int64_t h = 0; h < nh; h++) {
+                mx[h] = -INFINITY;
+                z[h] = 0.f;
+            }
+            for (int64_t j0 = 0; j0 < n; j0 += QSFA_ROWS) {
+                int64_t nb = n - j0 < QSFA_ROWS ? n - j0 : QSFA_ROWS;
+                for (int64_t j = 0; j < nb; j++) {
+                    float *dst = row + j * width;
+                    if (lat_bf16) {
+                        const bf16 *src = (const bf16 *)lat + sel[j0 + j] * ld;
+                        for (int64_t c = 0; c < width; c++) dst[c] = bf16_to_f32(src[c]);
+                    } else {
+                        memcpy(dst, (const float *)lat + sel[j0 + j] * ld, sizeof(float) * (size_t)width);
+                    }
+                }
+                for (int64_t h = 0; h < nh; h++) {
+                    const float *ql = q_lat + (t * H + h0 + h) * r, *qp = q_pe + (t * H + h0 + h) * rho;
+                    float bmax = -INFINITY;
+                    for (int64_t j = 0; j < nb; j++) {
+                        const float *c = row + j * width;
+                        float s = (dotf(ql, c, r) + dotf(qp, c + r, rho)) * scale;
+                        sc[h * QSFA_ROWS + j] = s;
+                        bmax = s > bmax ? s : bmax;
+                    }
+                    float nm = bmax > mx[h] ? bmax : mx[h];
+                    float rescale = mx[h] == -INFINITY ? 0.f : expf(mx[h] - nm);
+                    float *oh = o + h * r;
+                    if (rescale != 1.f)
+                        for (int64_t i = 0; i < r; i++) oh[i] *= rescale;
+                    z[h] *= rescale;
+                    mx[h] = nm;
+                    for (int64_t j = 0; j < nb; j++) sc[h * QSFA_ROWS + j] -= nm;
+                    vexp(sc + h * QSFA_ROWS, sc + h * QSFA_ROWS, nb);
+                    for (int64_t j = 0; j < nb; j++) {
+                        float p = sc[h * QSFA_ROWS + j];
+                        const float *c = row + j * width;
+                        z[h] += p;
+                        for (int64_t i = 0; i < r; i++) oh[i] += p * c[i];
+                    }
+                }
+            }
+            for (int64_t h = 0; h < nh; h++) {
+                float *oh = o + h * r;
+                if (z[h] > 0.f) {
+                    float inv = 1.f / z[h];
+                    for (int64_t i = 0; i < r; i++) oh[i] *= inv;
+                    lse[t * H + h0 + h] = mx[h] + logf(z[h]);
+                } else {
+                    lse[t * H + h0 + h] = -INFINITY;
+                }
+            }
+        }
+        free(row);
+        free(sc);
+        free(mx);
+        free(z);
+    }
+    return 0;
 }

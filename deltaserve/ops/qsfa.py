@@ -1,6 +1,8 @@
 """QSFA: sparse absorbed MLA attention over selected latent rows of a paged cache (ops.md §4.1–4.2, model.md §9.5).
 
-Used by the engine's fast DSA path (layers/mla.py). Plain PyTorch, device-agnostic.
+Used by the engine's fast DSA path and dense MLA decode (layers/mla.py). On the CPU, a full-precision cache goes
+through the native kernel (`native_kernels.c`: one pass over each query's rows with a running max, no gathered
+fp32 copy); otherwise, and for C8, plain PyTorch, device-agnostic.
 
 Latent cache of one layer, flattened to rows (row = block_id · B + offset, as in `qli`):
   * full precision: a float tensor `[num_rows, r + rho]` (bf16/fp32) holding `[c | k_pe]`;
@@ -22,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import native
 from .qli import quantize_8bit
 
 
@@ -96,6 +99,8 @@ def qsfa(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_pages, selected_rows: t
     trimmed to its longest valid prefix."""
     T, H, r = q_lat.shape
     latent = _flat_latent(latent_pages)
+    if _native_ok(q_lat, latent):
+        return _qsfa_native(q_lat, q_pe, latent, selected_rows, scale)
     out = torch.zeros(T, H, r, dtype=torch.float32, device=q_lat.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q_lat.device)
     valid = _valid_prefix(selected_rows)
@@ -123,6 +128,30 @@ def qsfa(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_pages, selected_rows: t
         lse[t0:t1] = (mx + torch.log(z)).squeeze(-1)
         o = torch.einsum("thj,tjr->thr", p, c) / z.clamp_min(torch.finfo(torch.float32).tiny)
         out[t0:t1] = torch.where(z > 0, o, torch.zeros_like(o))
+    return out, lse
+
+
+def _native_ok(q_lat: torch.Tensor, latent) -> bool:
+    return (not isinstance(latent, C8Latent) and q_lat.device.type == "cpu" and latent.device.type == "cpu"
+            and latent.dtype in (torch.bfloat16, torch.float32) and latent.stride(-1) == 1
+            and native.native_library() is not None)
+
+
+def _qsfa_native(q_lat, q_pe, latent: torch.Tensor, selected_rows: torch.Tensor, scale: float):
+    T, H, r = q_lat.shape
+    rho = q_pe.shape[-1]
+    if latent.shape[-1] != r + rho:
+        raise ValueError(f"latent rows have width {latent.shape[-1]}, queries need {r} + {rho}")
+    sel = selected_rows.to(torch.int64).contiguous()
+    out = torch.empty(T, H, r, dtype=torch.float32)
+    lse = torch.empty(T, H, dtype=torch.float32)
+    if T == 0:
+        return out, lse
+    ql, qp = q_lat.float().contiguous(), q_pe.float().contiguous()
+    if native.native_library().ds_qsfa(T, H, r, rho, ql.data_ptr(), qp.data_ptr(), latent.data_ptr(),
+                                       latent.stride(0), latent.shape[0], latent.dtype == torch.bfloat16, sel.data_ptr(),
+                                       sel.shape[1], scale, out.data_ptr(), lse.data_ptr(), torch.get_num_threads()):
+        raise IndexError(f"selected rows must lie in [0, {latent.shape[0]})")
     return out, lse
 
 
