@@ -298,3 +298,20 @@ def test_qsfa_kernel_matches_the_torch_form(monkeypatch, dtype, T):
     monkeypatch.undo()
     with pytest.raises(IndexError):
         qsfa_mod.qsfa(q_lat, q_pe, latent, torch.full((T, 2), rows), 0.3)
+
+
+@pytest.mark.parametrize("M", [1, 3, 40])
+def test_rmsnorm_kernel_matches_the_module(M):
+    from deltaserve.layers.norm import RMSNorm
+    g = torch.Generator().manual_seed(M)
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(M, 96, generator=g) * 3).to(torch.bfloat16)
+    plain = norm(x)
+    assert enable_native_kernels(norm) == 1
+    got = norm(x)
+    torch.testing.assert_close(got, plain, atol=0, rtol=2 ** -7)  # within one bf16 step
+    assert (got == plain).float().mean() > 0.95
+    assert not enable_native_kernels(RMSNorm(96, 1e-5))  # fp32 weights stay on torch

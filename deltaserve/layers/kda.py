@@ -41,6 +41,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm.weight = nn.Parameter(torch.ones(K))
         self.o_proj = Linear(P, d)
         self._inputs = PackedWeights()
+        self._stacked_conv: tuple[tuple, torch.Tensor] | None = None
 
     def _input_projections(self, x: torch.Tensor) -> list[torch.Tensor]:
         """q, k, v, f_a, b and g (or g_a) of x: one product over their stacked weights when they are prepacked."""
@@ -61,10 +62,14 @@ class KimiDeltaAttention(nn.Module):
         decode = [i for i in range(batch.num_seqs)
                   if pool is not None and batch.rows(i).stop - batch.rows(i).start == 1 and not batch.snapshots(i)]
         if decode:  # single-token rows of every sequence at once, states updated in place in their slots
-            rows = torch.tensor([batch.rows(i).start for i in decode], device=x.device)
+            starts = [batch.rows(i).start for i in decode]
             slots = torch.tensor([batch.handle(i).slot for i in decode], device=x.device)
-            core[rows] = self._decode_batched(q_in[rows], k_in[rows], v_in[rows], g[rows], beta[rows], pool, slots,
-                                              batch.ops)
+            if starts == list(range(N)):  # a pure decode step: every row, in order
+                core = self._decode_batched(q_in, k_in, v_in, g, beta, pool, slots, batch.ops)
+            else:
+                rows = torch.tensor(starts, device=x.device)
+                core[rows] = self._decode_batched(q_in[rows], k_in[rows], v_in[rows], g[rows], beta[rows], pool,
+                                                  slots, batch.ops)
         prefill = [i for i in range(batch.num_seqs) if pool is not None and i not in decode]
         if prefill:  # chunks of several sequences: varlen chunked ops over their slots
             self._prefill_varlen(q_in, k_in, v_in, g, beta, core, prefill, pool, batch)
@@ -85,7 +90,12 @@ class KimiDeltaAttention(nn.Module):
 
 
     def _conv_weight(self) -> torch.Tensor:
-        return torch.cat([c.weight.view(self.P, self.W) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        """The q, k, v conv weights stacked [3P, W], kept until one of them changes."""
+        convs = [c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        key = tuple((w.data_ptr(), w._version) for w in convs)
+        if self._stacked_conv is None or self._stacked_conv[0] != key:
+            self._stacked_conv = (key, torch.cat([w.detach().view(self.P, self.W) for w in convs]))
+        return self._stacked_conv[1]
 
     def _decode_batched(self, q_in, k_in, v_in, g, beta, pool, slots, ops) -> torch.Tensor:
         """One token for each of n sequences: convs and the delta rule over their slots, in place."""

@@ -98,10 +98,9 @@ def _native(x, conv_weight, conv_states, g, beta, scale, cu: list[int], recurren
     if T == 0:
         return out
     g, beta = g.float().contiguous(), beta.float().contiguous()
-    taps = conv_weight.t().contiguous()  # [W, 3P]: the kernel reads one tap across channels
     cu_t, slots_t = torch.tensor(cu, dtype=torch.int64), torch.tensor(sl, dtype=torch.int64)
     native.native_library().ds_kda_step(
-        len(sl), cu_t.data_ptr(), H, K, x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, taps.data_ptr(),
+        len(sl), cu_t.data_ptr(), H, K, x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, conv_weight.data_ptr(),
         conv_weight.shape[1], conv_states.data_ptr(), conv_states.stride(0), g.data_ptr(), beta.data_ptr(),
         K ** -0.5 if scale is None else scale, recurrent_states.data_ptr(), recurrent_states.stride(0),
         slots_t.data_ptr(), out.data_ptr(), torch.get_num_threads())

@@ -69,6 +69,8 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_qsfa.argtypes = [_I, _I, _I, _I, _P, _P, _P, _I, _I, ctypes.c_int, _P, _I, ctypes.c_float, _P, _P,
                             ctypes.c_int]
     lib.ds_qsfa.restype = ctypes.c_int
+    lib.ds_rmsnorm_bf16.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, ctypes.c_int]
+    lib.ds_rmsnorm_bf16.restype = None
     return lib
 
 
@@ -122,6 +124,17 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Te
     desc = (ctypes.c_int64 * 5)(packed.data_ptr(), -1, n_out, y.data_ptr(), n_out)
     native_library().ds_linear_bf16(x.data_ptr(), M, x.stride(0), K, 1, desc, torch.get_num_threads())
     return y
+
+
+def rmsnorm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of bf16 rows x [M, D] (contiguous rows) with a bf16 weight [D], in the reference rounding order
+    (layers/norm.py); returns a fresh [M, D] bf16 tensor."""
+    if not (_rows(x) and weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.shape == x.shape[1:]):
+        raise ValueError("rmsnorm_bf16 takes bf16 x [M, D] with contiguous rows and a contiguous bf16 weight [D]")
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    native_library().ds_rmsnorm_bf16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), eps,
+                                     out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,

@@ -361,14 +361,13 @@ static void delta_rule_token(float *S, int64_t K, const float *ekq, const float 
  * out = S'^T q (both matvecs read the old state); the window ends holding the last W-1 inputs.
  * Sequence b owns tokens [cu[b], cu[b+1]) and slot slots[b]; a slot < 0 is padding (zeros out, no state).
  * x [T, 3P] rows hold q | k | v before the conv (bf16 when x_bf16, else fp32; row stride ldx), P = H K;
- * g [T, H, K], beta [T, H] fp32 contiguous; out [T, H, K] fp32. conv_wt [W, 3P] fp32 (the conv weights
- * transposed: tap-major); the window of slot s, channel c is at conv + s * conv_slot_stride + c * (W - 1) (oldest
+ * g [T, H, K], beta [T, H] fp32 contiguous; out [T, H, K] fp32. conv_w [3P, W] fp32; the window of slot s, channel c is at conv + s * conv_slot_stride + c * (W - 1) (oldest
  * first); the state of slot s at rec + s * rec_slot_stride.
  * One work item per (sequence, head): items touch disjoint channels and state, and a head's 64 KiB state stays
  * in the core's cache for all of its tokens. The convs of a block of tokens run first, vectorised over channels. */
 #define KDA_BLOCK 32
 void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
-                 const float *conv_wt, int64_t W, float *conv, int64_t conv_slot_stride, const float *g,
+                 const float *conv_w, int64_t W, float *conv, int64_t conv_slot_stride, const float *g,
                  const float *beta, float scale, float *rec, int64_t rec_slot_stride, const int64_t *slots,
                  float *out, int nthreads) {
     int64_t P = H * K, C3 = 3 * K;
@@ -377,7 +376,7 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
         /* hist [W-1][3K]: the window of the head's channels, tap-major; y [KDA_BLOCK][3K]: conv outputs */
         float *hist = malloc(sizeof(float) * (size_t)((W > 1 ? W - 1 : 1) * C3));
         float *y = malloc(sizeof(float) * (size_t)(KDA_BLOCK * C3)), *xin = malloc(sizeof(float) * (size_t)C3);
-        float *vec = malloc(sizeof(float) * (size_t)(7 * K));
+        float *vec = malloc(sizeof(float) * (size_t)(7 * K)), *taps = malloc(sizeof(float) * (size_t)(W * C3));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < nseq * H; item++) {
             int64_t b = item / H, h = item % H, s = slots[b], t0 = cu[b], n = cu[b + 1] - cu[b];
@@ -386,6 +385,9 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
                 continue;
             }
             float *win = conv + s * conv_slot_stride, *S = rec + s * rec_slot_stride + h * K * K;
+            for (int j = 0; j < 3; j++) /* the head's conv weights, tap-major [W][3K] */
+                for (int64_t c = 0; c < K; c++)
+                    for (int64_t u = 0; u < W; u++) taps[u * C3 + j * K + c] = conv_w[(j * P + h * K + c) * W + u];
             for (int j = 0; j < 3; j++)
                 for (int64_t c = 0; c < K; c++)
                     for (int64_t u = 0; u < W - 1; u++) hist[u * C3 + j * K + c] = win[(j * P + h * K + c) * (W - 1) + u];
@@ -411,11 +413,8 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
                     for (int64_t c = 0; c < C3; c++) acc[c] = 0.f;
                     for (int64_t u = 0; u < W; u++) {
                         LOAD_INPUT(i0 + i - (W - 1) + u, xin);
-                        const float *wu = conv_wt + u * 3 * P;
-                        for (int j = 0; j < 3; j++) {
-                            const float *wj = wu + j * P + h * K;
-                            for (int64_t c = 0; c < K; c++) acc[j * K + c] += wj[c] * xin[j * K + c];
-                        }
+                        const float *wu = taps + u * C3;
+                        for (int64_t c = 0; c < C3; c++) acc[c] += wu[c] * xin[c];
                     }
                     float *e = vec; /* silu(a) = a / (1 + e^-a), in blocks of K */
                     for (int64_t c0 = 0; c0 < C3; c0 += K) {
@@ -455,6 +454,7 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
         free(y);
         free(xin);
         free(vec);
+        free(taps);
     }
 }
 
@@ -546,4 +546,18 @@ int ds_qsfa(int64_t T, int64_t H, int64_t r, int64_t rho, const float *q_lat, co
         free(z);
     }
     return 0;
+}
+
+/* RMSNorm of bf16 rows in the reference rounding order (model.md §3): out = w * bf16(x * rsqrt(mean(x^2) + eps)),
+ * statistics in fp32, the product with the bf16 weight rounded once. x [M, D] at row stride ldx; out [M, D]. */
+void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf16 *w, float eps, bf16 *out,
+                     int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * D >= (1 << 16))
+    for (int64_t i = 0; i < M; i++) {
+        float *xf = malloc(sizeof(float) * (size_t)D);
+        for (int64_t c = 0; c < D; c++) xf[c] = bf16_to_f32(x[i * ldx + c]);
+        float r = 1.f / sqrtf(dotf(xf, xf, D) / (float)D + eps);
+        for (int64_t c = 0; c < D; c++) out[i * D + c] = f32_to_bf16(round_bf16(xf[c] * r) * bf16_to_f32(w[c]));
+        free(xf);
+    }
 }
