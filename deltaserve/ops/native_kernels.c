@@ -205,7 +205,7 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
     {
         float *g = malloc(sizeof(float) * (size_t)(P * BLOCK_ROWS));
         float *u = malloc(sizeof(float) * (size_t)(P * BLOCK_ROWS));
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1) /* experts differ in token count */
         for (int64_t item = 0; item < nused * iblocks; item++) {
             int64_t e = used[item / iblocks], n0 = (item % iblocks) * BLOCK_ROWS;
             int64_t n1 = n0 + BLOCK_ROWS < I ? n0 + BLOCK_ROWS : I, s0 = start[e], m = start[e + 1] - s0;
