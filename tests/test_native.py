@@ -315,3 +315,18 @@ def test_rmsnorm_kernel_matches_the_module(M):
     torch.testing.assert_close(got, plain, atol=0, rtol=2 ** -7)  # within one bf16 step
     assert (got == plain).float().mean() > 0.95
     assert not enable_native_kernels(RMSNorm(96, 1e-5))  # fp32 weights stay on torch
+
+
+@pytest.mark.parametrize("R", [1, 8, 700])
+def test_gated_rmsnorm_kernel_matches_the_torch_norm(R):
+    from deltaserve.layers.norm import gated_rms_norm
+    g = torch.Generator().manual_seed(R)
+    K = 64
+    core = torch.randn(R, K, generator=g) * 2
+    wide = torch.randn(R, 3 * K, generator=g).to(torch.bfloat16)
+    gate = wide[:, K:2 * K]  # a row-strided view, as the layer's gate can be
+    weight = torch.randn(K, generator=g)
+    got = native.gated_rmsnorm_bf16(core, gate, weight, 1e-5)
+    ref = gated_rms_norm(core.to(torch.bfloat16), gate, weight, 1e-5)
+    torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7)
+    assert (got == ref).float().mean() > 0.95

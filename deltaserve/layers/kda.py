@@ -10,6 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.kda import kda_gate, l2_normalize
+from ..ops.native import gated_rmsnorm_bf16
 from .batch import StepBatch
 from .linear import Linear
 from .prepack import PackedWeights, module_group
@@ -42,6 +43,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = Linear(P, d)
         self._inputs = PackedWeights()
         self._stacked_conv: tuple[tuple, torch.Tensor] | None = None
+        self.native = False  # the output norm through the native kernel (layers/native_path.py)
 
     def _input_projections(self, x: torch.Tensor) -> list[torch.Tensor]:
         """q, k, v, f_a, b and g (or g_a) of x: one product over their stacked weights when they are prepacked."""
@@ -85,8 +87,18 @@ class KimiDeltaAttention(nn.Module):
                 if checkpoint is not None:
                     batch.cache.save_kda_checkpoint(self.layer, checkpoint, *state)
                 start = seg.stop
-        out = gated_rms_norm(core.to(x.dtype), gate.view(N, H, K), self.o_norm.weight, self.config.rms_norm_eps)
+        if self.native and x.dtype == torch.bfloat16 and gate.stride(-1) == 1:
+            gate_rows = gate.reshape(N * H, K)  # a view for contiguous or row-strided gates
+            out = gated_rmsnorm_bf16(core.view(N * H, K), gate_rows, self.o_norm.weight, self.config.rms_norm_eps)
+        else:
+            out = gated_rms_norm(core.to(x.dtype), gate.view(N, H, K), self.o_norm.weight, self.config.rms_norm_eps)
         return self.o_proj(out.reshape(N, self.P))
+
+    def packable_dtype(self) -> torch.dtype:
+        return self.o_proj.weight.dtype
+
+    def packable_device(self) -> torch.device:
+        return self.o_proj.weight.device
 
 
     def _conv_weight(self) -> torch.Tensor:

@@ -71,6 +71,8 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_qsfa.restype = ctypes.c_int
     lib.ds_rmsnorm_bf16.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, ctypes.c_int]
     lib.ds_rmsnorm_bf16.restype = None
+    lib.ds_gated_rmsnorm_bf16.argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_float, _P, ctypes.c_int]
+    lib.ds_gated_rmsnorm_bf16.restype = None
     return lib
 
 
@@ -134,6 +136,20 @@ def rmsnorm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     native_library().ds_rmsnorm_bf16(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), eps,
                                      out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def gated_rmsnorm_bf16(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """KDA's o_norm (layers/norm.py `gated_rms_norm` of core cast to bf16) for fp32 core [R, K] and bf16 gate rows
+    [R, K] (contiguous rows); returns [R, K] bf16."""
+    R, K = core.shape
+    if not (core.dtype == torch.float32 and core.is_contiguous() and _rows(gate) and gate.shape == core.shape
+            and weight.shape == (K,)):
+        raise ValueError("gated_rmsnorm_bf16 takes fp32 core [R, K], bf16 gate rows [R, K] and a weight [K]")
+    w = weight.detach().float().contiguous()
+    out = torch.empty(R, K, dtype=torch.bfloat16)
+    native_library().ds_gated_rmsnorm_bf16(core.data_ptr(), R, K, gate.data_ptr(), gate.stride(0), w.data_ptr(), eps,
+                                           out.data_ptr(), torch.get_num_threads())
     return out
 
 

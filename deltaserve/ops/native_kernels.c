@@ -561,3 +561,25 @@ void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf1
         free(xf);
     }
 }
+
+/* KDA's gated output norm (model.md §8.7) in the reference rounding order: per row of K values, x = bf16(core)
+ * (the core output cast to the model dtype), y = w * (x * rsqrt(mean(x^2) + eps)) in fp32, out = bf16(y *
+ * sigmoid(gate)). core [R, K] fp32 contiguous; gate rows [R, K] bf16 at row stride ldg; w [K] fp32; out [R, K]. */
+void ds_gated_rmsnorm_bf16(const float *core, int64_t R, int64_t K, const bf16 *gate, int64_t ldg, const float *w,
+                           float eps, bf16 *out, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (R * K >= (1 << 16))
+    {
+        float *x = malloc(sizeof(float) * (size_t)(2 * K)), *e = x + K;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < R; i++) {
+            for (int64_t c = 0; c < K; c++) {
+                x[c] = round_bf16(core[i * K + c]);
+                e[c] = -bf16_to_f32(gate[i * ldg + c]);
+            }
+            float r = 1.f / sqrtf(dotf(x, x, K) / (float)K + eps);
+            vexp(e, e, K);
+            for (int64_t c = 0; c < K; c++) out[i * K + c] = f32_to_bf16(w[c] * (x[c] * r) * (1.f / (1.f + e[c])));
+        }
+        free(x);
+    }
+}
