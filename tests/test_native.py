@@ -330,3 +330,18 @@ def test_gated_rmsnorm_kernel_matches_the_torch_norm(R):
     ref = gated_rms_norm(core.to(torch.bfloat16), gate, weight, 1e-5)
     torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7)
     assert (got == ref).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_linear_heads_is_a_product_per_head(T):
+    g = torch.Generator().manual_seed(T)
+    H, K, N = 3, 48, 40
+    wide = torch.randn(T, H, K + 16, generator=g).to(torch.bfloat16)
+    x = wide[..., :K]  # strided heads, as the layers' q_nope views are
+    w = torch.randn(H, N, K, generator=g).to(torch.bfloat16)
+    y = native.linear_heads(x, native.pack_rows(w), N)
+    assert y.shape == (T, H, N)
+    for h in range(H):
+        _assert_rounded_product(y[:, h], x[:, h], w[h])
+    with pytest.raises(ValueError):
+        native.linear_heads(x, native.pack_rows(w), N + 1)

@@ -10,10 +10,12 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.indexer import indexer_scores_ref, select_topk, selection_mask
 from ..ops.mlapo import MLAWeights, mla_preprocess
+from ..ops.native import linear_heads, pack_rows
 from ..ops.qli import qli_topk
 from ..ops.qsfa import qsfa
 from .batch import StepBatch
 from .linear import Linear
+from .native_path import LINEAR_MAX_ROWS
 from .norm import LayerNorm, RMSNorm
 from .rope import RotaryEmbedding, rotate_half_split, rotate_interleaved, softmax_scale_factor
 
@@ -70,6 +72,8 @@ class MLAttention(nn.Module):
         self.scale = config.qk_head_dim ** -0.5 * softmax_scale_factor(config.rope_scaling if config.uses_rope else None)
         self._mlapo: tuple[tuple, MLAWeights] | None = None  # (source-weight key, fused MLAPO weights)
         self._kv_b_split: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see _split_kv_b
+        self._kv_b_packed: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see _kv_b_native
+        self.native = False  # a few rows' absorptions through the native kernels (layers/native_path.py)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         pages = batch.cache.mla_pages(self.layer) if batch.cache is not None else None
@@ -194,13 +198,33 @@ class MLAttention(nn.Module):
             self._kv_b_split = (key, w[:, :self.n].contiguous(), w[:, self.n:].transpose(1, 2).contiguous())
         return self._kv_b_split[1], self._kv_b_split[2]
 
+    def _kv_b_native(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK^T [H, r, n] and W_UV [H, v, r] packed for the native kernels, kept until kv_b_proj changes."""
+        weight = self.kv_b_proj.weight
+        key = (weight.data_ptr(), weight._version)
+        if self._kv_b_packed is None or self._kv_b_packed[0] != key:
+            w = weight.detach().view(self.H, self.n + self.v, self.r)
+            self._kv_b_packed = (key, pack_rows(w[:, :self.n].transpose(1, 2)), pack_rows(w[:, self.n:]))
+        return self._kv_b_packed[1], self._kv_b_packed[2]
+
     def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_lat [T, H, r] = per head q_nope W_UK."""
+        """q_lat [T, H, r] = per head q_nope W_UK (a few bf16 rows: one native call over all heads)."""
+        if self.native and q_nope.dtype == torch.bfloat16 and q_nope.shape[0] <= LINEAR_MAX_ROWS:
+            return linear_heads(q_nope, self._kv_b_native()[0], self.r)
         return torch.bmm(q_nope.transpose(0, 1), self._split_kv_b()[0]).transpose(0, 1)
 
     def _unabsorb(self, out_lat: torch.Tensor) -> torch.Tensor:
         """Heads' values [T, H, v] = per head out_lat W_UV^T."""
+        if self.native and out_lat.dtype == torch.bfloat16 and out_lat.shape[0] <= LINEAR_MAX_ROWS:
+            return linear_heads(out_lat, self._kv_b_native()[1], self.v)
         return torch.bmm(out_lat.transpose(0, 1), self._split_kv_b()[1]).transpose(0, 1)
+
+    def packable_dtype(self) -> torch.dtype | None:
+        """kv_b_proj's weight dtype (None for a quantized kv_b_proj: the absorptions then stay on torch)."""
+        return self.kv_b_proj.weight.dtype if isinstance(self.kv_b_proj, Linear) else None
+
+    def packable_device(self) -> torch.device:
+        return self.o_proj.weight.device if isinstance(self.o_proj, Linear) else torch.device("cpu")
 
     def _dense_decode(self, q_lat, q_pe, latent_pages, seqs: list[int], batch: StepBatch) -> torch.Tensor:
         """Single-token queries of many sequences at once over their whole context (ops.md §4.5 in the absorbed

@@ -30,11 +30,20 @@ class Router(nn.Module):
         E = config.num_experts
         self.weight = nn.Parameter(torch.empty(E, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+        self._f32: tuple[tuple, torch.Tensor] | None = None
+
+    def _weight_f32(self) -> torch.Tensor:
+        """The router weight in fp32, converted once and again only when the weight changes (the logits are fp32
+        on every path; converting [E, hidden] per call cost more than the product at decode)."""
+        key = (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
+        if self._f32 is None or self._f32[0] != key:
+            self._f32 = (key, self.weight.detach().float())
+        return self._f32[1]
 
     def forward(self, x: torch.Tensor) -> Routing:
         """fp32 scores from the same x on every path; ties rank (score desc, expert id asc)."""
         c = self.config
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        logits = torch.nn.functional.linear(x.float(), self._weight_f32())
         scores = torch.sigmoid(logits) if c.router_activation == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores + self.e_score_correction_bias.float()
         if c.num_expert_group > 1:

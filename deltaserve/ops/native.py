@@ -59,7 +59,7 @@ def native_library() -> ctypes.CDLL | None:
             return None
         os.replace(tmp, target)
     lib = ctypes.CDLL(str(target))
-    lib.ds_linear_bf16.argtypes = [_P, _I, _I, _I, _I, _P, ctypes.c_int]
+    lib.ds_linear_bf16.argtypes = [_I, _I, _I, _P, ctypes.c_int]
     lib.ds_linear_bf16.restype = None
     lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P, ctypes.c_int]
     lib.ds_moe_bf16.restype = ctypes.c_int
@@ -109,10 +109,11 @@ def linear_bf16(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tens
         raise ValueError("linear_bf16 takes bf16 CPU matrices with contiguous rows and matching K")
     M, K = x.shape
     outs = [torch.empty(M, w.shape[0], dtype=torch.bfloat16) for w in weights]
-    desc = (ctypes.c_int64 * (5 * len(weights)))()
+    desc = (ctypes.c_int64 * (7 * len(weights)))()
     for t, (w, y) in enumerate(zip(weights, outs)):
-        desc[5 * t:5 * t + 5] = [w.data_ptr(), w.stride(0), w.shape[0], y.data_ptr(), y.stride(0)]
-    native_library().ds_linear_bf16(x.data_ptr(), M, x.stride(0), K, len(weights), desc, torch.get_num_threads())
+        desc[7 * t:7 * t + 7] = [w.data_ptr(), w.stride(0), w.shape[0], y.data_ptr(), y.stride(0), x.data_ptr(),
+                                 x.stride(0)]
+    native_library().ds_linear_bf16(M, K, len(weights), desc, torch.get_num_threads())
     return outs
 
 
@@ -123,8 +124,25 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Te
             and tuple(packed.shape) == packed_shape((n_out, K))):
         raise ValueError("linear_packed takes bf16 x [M, K] with contiguous rows and a pack_rows weight of that K")
     y = torch.empty(M, n_out, dtype=torch.bfloat16)
-    desc = (ctypes.c_int64 * 5)(packed.data_ptr(), -1, n_out, y.data_ptr(), n_out)
-    native_library().ds_linear_bf16(x.data_ptr(), M, x.stride(0), K, 1, desc, torch.get_num_threads())
+    desc = (ctypes.c_int64 * 7)(packed.data_ptr(), -1, n_out, y.data_ptr(), n_out, x.data_ptr(), x.stride(0))
+    native_library().ds_linear_bf16(M, K, 1, desc, torch.get_num_threads())
+    return y
+
+
+def linear_heads(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Tensor:
+    """Per head h: y[:, h] = x[:, h] @ W_h^T, for bf16 x [T, H, K] (last dim contiguous) and W [H, n_out, K]
+    packed by `pack_rows`, in one parallel call; returns [T, H, n_out] bf16."""
+    T, H, K = x.shape
+    if not (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and packed.dtype == torch.bfloat16
+            and packed.is_contiguous() and tuple(packed.shape) == packed_shape((H, n_out, K))):
+        raise ValueError("linear_heads takes bf16 x [T, H, K] and pack_rows of weights [H, n_out, K]")
+    y = torch.empty(T, H, n_out, dtype=torch.bfloat16)
+    desc = (ctypes.c_int64 * (7 * H))()
+    w0, y0, x0 = packed.data_ptr(), y.data_ptr(), x.data_ptr()
+    for h in range(H):  # byte addresses of head h's weight, output and input (2 bytes an element)
+        desc[7 * h:7 * h + 7] = [w0 + 2 * h * packed.stride(0), -1, n_out, y0 + 2 * h * n_out, H * n_out,
+                                 x0 + 2 * h * x.stride(1), x.stride(0)]
+    native_library().ds_linear_bf16(T, K, H, desc, torch.get_num_threads())
     return y
 
 

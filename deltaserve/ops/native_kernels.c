@@ -141,30 +141,40 @@ static void dot_block(const bf16 *const *xrows, int64_t M, const bf16 *w, int64_
     }
 }
 
-/* Linear products sharing one input x [M, K] (row stride ldx): for each task t, y_t [M, N_t] (row stride ldy_t)
- * = x @ W_t^T with W_t [N_t, K] row-major (row stride ldw_t) or packed (ldw_t = -1), rounded to bf16. desc holds
- * 5 int64 per task: W_t's address, ldw_t, N_t, y_t's address, ldy_t. */
-void ds_linear_bf16(const bf16 *x, int64_t M, int64_t ldx, int64_t K, int64_t ntasks, const int64_t *desc,
-                    int nthreads) {
+/* Linear products of M rows: for each task t, y_t [M, N_t] (row stride ldy_t) = x_t [M, K] (row stride ldx_t) @
+ * W_t^T with W_t [N_t, K] row-major (row stride ldw_t) or packed (ldw_t = -1), rounded to bf16. desc holds 7
+ * int64 per task: W_t's address, ldw_t, N_t, y_t's address, ldy_t, x_t's address, ldx_t (tasks may share x:
+ * several weights over one input, or differ: one weight per attention head). */
+#define DESC 7
+void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const int64_t *desc, int nthreads) {
     int64_t nitems = 0;
-    for (int64_t t = 0; t < ntasks; t++) nitems += (desc[t * 5 + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS;
-    const bf16 **xrows = malloc(sizeof(bf16 *) * (size_t)M);
-    for (int64_t i = 0; i < M; i++) xrows[i] = x + i * ldx;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t item = 0; item < nitems; item++) {
-        int64_t t = 0, b = item;
-        while (b >= (desc[t * 5 + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS) b -= (desc[t++ * 5 + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS;
-        const bf16 *w = (const bf16 *)(intptr_t)desc[t * 5];
-        int64_t ldw = desc[t * 5 + 1], N = desc[t * 5 + 2], ldy = desc[t * 5 + 4];
-        bf16 *y = (bf16 *)(intptr_t)desc[t * 5 + 3];
-        int64_t n0 = b * BLOCK_ROWS, n1 = n0 + BLOCK_ROWS < N ? n0 + BLOCK_ROWS : N;
+    for (int64_t t = 0; t < ntasks; t++) nitems += (desc[t * DESC + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const bf16 **xrows = malloc(sizeof(bf16 *) * (size_t)M);
         float *dots = malloc(sizeof(float) * (size_t)(M * BLOCK_ROWS));
-        dot_block(xrows, M, w, ldw, N, n0, n1, K, dots);
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t n = n0; n < n1; n++) y[i * ldy + n] = f32_to_bf16(dots[i * BLOCK_ROWS + n - n0]);
+        int64_t xt = -1;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < nitems; item++) {
+            int64_t t = 0, b = item;
+            while (b >= (desc[t * DESC + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS)
+                b -= (desc[t++ * DESC + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+            const int64_t *d = desc + t * DESC;
+            const bf16 *w = (const bf16 *)(intptr_t)d[0];
+            int64_t ldw = d[1], N = d[2], ldy = d[4];
+            bf16 *y = (bf16 *)(intptr_t)d[3];
+            if (t != xt) {
+                for (int64_t i = 0; i < M; i++) xrows[i] = (const bf16 *)(intptr_t)d[5] + i * d[6];
+                xt = t;
+            }
+            int64_t n0 = b * BLOCK_ROWS, n1 = n0 + BLOCK_ROWS < N ? n0 + BLOCK_ROWS : N;
+            dot_block(xrows, M, w, ldw, N, n0, n1, K, dots);
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t n = n0; n < n1; n++) y[i * ldy + n] = f32_to_bf16(dots[i * BLOCK_ROWS + n - n0]);
+        }
+        free(xrows);
         free(dots);
     }
-    free(xrows);
 }
 
 static inline float silu(float g) { return g / (1.f + expf(-g)); }
