@@ -93,8 +93,8 @@ def test_linear_rejects_what_the_kernel_cannot_read():
         native.linear_bf16(x.float(), [torch.randn(4, 16).to(torch.bfloat16)])
 
 
-def _experts(E: int, D: int, I: int, seed: int) -> Experts:
-    config = ModelConfig.from_dict(get_preset("kimi-linear-tiny").config)
+def _experts(E: int, D: int, I: int, seed: int, preset: str = "kimi-linear-tiny") -> Experts:
+    config = ModelConfig.from_dict(get_preset(preset).config)
     g = torch.Generator().manual_seed(seed)
     experts = Experts(config, E, D, I)
     with torch.no_grad():
@@ -118,6 +118,25 @@ def test_moe_matches_the_torch_dispatch(T):
     assert (got == ref).float().mean() > 0.9
     assert enable_native_kernels(experts) == 1
     assert torch.equal(experts(x, routing), got)
+
+
+@pytest.mark.parametrize("linear_beta", [None, 3.0])
+@pytest.mark.parametrize("T", [1, 6, 300])
+def test_moe_with_situ_matches_the_torch_dispatch(T, linear_beta):
+    import dataclasses
+    E, D, I, k = 8, 96, 40, 2
+    experts = _experts(E, D, I, T, preset="k31-tiny")
+    experts.config = dataclasses.replace(experts.config, situ_linear_beta=linear_beta)
+    assert experts.config.hidden_act == "situ"
+    g = torch.Generator().manual_seed(T)
+    x = (torch.randn(T, D, generator=g) * 4).to(torch.bfloat16)  # gate values past beta: tanh saturates
+    routing = Routing(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]), torch.rand(T, k, generator=g))
+    ref = experts(x, routing).detach()
+    assert enable_native_kernels(experts) == 1
+    got = experts(x, routing)
+    # one bf16 step of an intermediate (gate, up or h) may round the other way: a step of the output's scale
+    torch.testing.assert_close(got, ref, atol=float(ref.abs().max()) * 2 ** -7, rtol=2 ** -6)
+    assert (got == ref).float().mean() > 0.9
 
 
 def test_moe_rejects_bad_expert_ids_and_shapes():

@@ -11,6 +11,11 @@ from .native_path import MLP_MAX_ROWS, takes_native
 from .prepack import PackedWeights, module_group
 
 
+def situ_params(config: ModelConfig) -> tuple[float, float | None] | None:
+    """(beta, linear_beta) for the native kernels when the activation is SiTU, else None (SiLU-GLU)."""
+    return (config.situ_beta, config.situ_linear_beta) if config.hidden_act == "situ" else None
+
+
 def glu_activation(config: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The configured gated activation act(gate, up)."""
     if config.hidden_act == "situ":
@@ -29,11 +34,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linears = (self.gate_proj, self.up_proj, self.down_proj)
-        if self.config.hidden_act != "situ" and all(m.native for m in linears) and takes_native(x, MLP_MAX_ROWS):
+        if all(getattr(m, "native", False) for m in linears) and takes_native(x, MLP_MAX_ROWS):
             # the fused expert kernel with one expert of weight 1: the same roundings as the three products
             T = x.shape[0]
             packed = tuple(m._packed.get_native([m.weight]).unsqueeze(0) for m in linears)
             return moe_bf16(x.contiguous(), torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1),
-                            *(m.weight.unsqueeze(0) for m in linears), packed=packed)
+                            *(m.weight.unsqueeze(0) for m in linears), packed=packed, situ=situ_params(self.config))
         gate, up = module_group(x, [self.gate_proj, self.up_proj], self._gate_up)  # one product when prepacked
         return self.down_proj(glu_activation(self.config, gate, up))

@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from ..ops.native import moe_bf16, pack_rows
 from .linear import Linear
 from .prepack import PackedWeights, linear_group, packed_linear
-from .mlp import MLP, glu_activation
+from .mlp import MLP, glu_activation, situ_params
 from .norm import RMSNorm
 
 
@@ -79,9 +79,9 @@ class Experts(nn.Module):
         self._native_packed: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self.native and self.config.hidden_act != "situ" and x.dtype == torch.bfloat16:
+        if self.native and x.dtype == torch.bfloat16:
             return moe_bf16(x.contiguous(), routing.experts, routing.weights, self.w1, self.w3, self.w2,
-                            packed=self._native_weights())
+                            packed=self._native_weights(), situ=situ_params(self.config))
         return dispatch_experts(x, routing, self.w1.shape[0], self.run_expert)
 
     def run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:

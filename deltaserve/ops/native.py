@@ -61,7 +61,8 @@ def native_library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     lib.ds_linear_bf16.argtypes = [_I, _I, _I, _P, ctypes.c_int]
     lib.ds_linear_bf16.restype = None
-    lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int, _P, _P, ctypes.c_int]
+    lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                                ctypes.c_float, _P, _P, ctypes.c_int]
     lib.ds_moe_bf16.restype = ctypes.c_int
     lib.ds_kda_step.argtypes = [_I, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P,
                                 _I, _P, _P, ctypes.c_int]
@@ -172,10 +173,12 @@ def gated_rmsnorm_bf16(core: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
 
 
 def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-             w2: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) with SiLU-GLU experts stacked as w1/w3 [E, I, D] and
+             w2: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             situ: tuple[float, float | None] | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) with gated experts stacked as w1/w3 [E, I, D] and
     w2 [E, D, I] (bf16, contiguous); experts int64 [T, k], weights fp32 [T, k]. Returns bf16 [T, D]. With
-    `packed` (`pack_rows` of w1, w3, w2) the kernel reads those; w1/w3/w2 then give the shapes."""
+    `packed` (`pack_rows` of w1, w3, w2) the kernel reads those; w1/w3/w2 then give the shapes. The activation
+    is SiLU-GLU, or SiTU with `situ` = (beta, linear_beta or None) (ops/activation.py)."""
     T, D = x.shape
     E, I, _ = w1.shape
     if not (x.is_contiguous() and _rows(x) and w1.shape == w3.shape == (E, I, D) and w2.shape == (E, D, I)):
@@ -194,7 +197,9 @@ def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: 
     h = torch.empty(T * k, I, dtype=torch.bfloat16)
     bad = native_library().ds_moe_bf16(x.data_ptr(), T, D, experts.data_ptr(), weights.data_ptr(), k,
                                        mats[0].data_ptr(), mats[1].data_ptr(), mats[2].data_ptr(), E, I,
-                                       packed is not None, h.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                                       packed is not None, situ is not None, situ[0] if situ else 0.0,
+                                       float("nan") if situ is None or situ[1] is None else situ[1], h.data_ptr(),
+                                       out.data_ptr(), torch.get_num_threads())
     if bad:
         raise ValueError(f"moe_bf16: expert ids must lie in [0, {E})")
     return out
