@@ -1,4 +1,4 @@
-"""The native small-batch bf16 kernels (ops/native.py, ops/native_kernels.c) against their torch twins: F.linear
+"""The native small-batch bf16 kernels (ops/native.py, ops/native_src/) against their torch twins: F.linear
 and the torch MoE dispatch / MLP, from one row to past the row limits, with K and N tails; wrong input is a
 ValueError; a failed build leaves the torch paths; and the engine's greedy tokens do not move."""
 
@@ -40,25 +40,27 @@ def test_linear_matches_the_exact_product_rounded(M, K):
     g = torch.Generator().manual_seed(M * 1000 + K)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     weights = [torch.randn(n, K, generator=g).to(torch.bfloat16) for n in (1, 7, 33, 256)]
-    outs = native.linear_bf16(x, weights)
-    for w, y in zip(weights, outs):
-        _assert_rounded_product(y, x, w)
-        assert y.is_contiguous()
-        torch.testing.assert_close(y, F.linear(x, w), atol=0, rtol=2 ** -7)  # the oneDNN twin, within a bf16 step
+    stacked = torch.cat(weights)  # several weights over one input: one packed matrix, as module_group packs them
+    packed = native.pack_rows(stacked)
+    assert packed.shape == native.packed_shape(stacked.shape)
+    y = native.linear_packed(x, packed, stacked.shape[0])
+    for w, part in zip(weights, torch.split(y, [w.shape[0] for w in weights], dim=-1)):
+        _assert_rounded_product(part, x, w)
+        torch.testing.assert_close(part, F.linear(x, w), atol=0, rtol=2 ** -7)  # the oneDNN twin, within a step
 
 
-@pytest.mark.parametrize("K", [1024, 96, 37])
-def test_packed_weights_give_the_row_major_products(K):
-    g = torch.Generator().manual_seed(K)
-    for M in (1, 3, 4):
-        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-        for N in (1, 7, 33, 256):
-            w = torch.randn(N, K, generator=g).to(torch.bfloat16)
-            packed = native.pack_rows(w)
-            assert packed.shape == native.packed_shape(w.shape)
-            assert torch.equal(native.linear_packed(x, packed, N), native.linear_bf16(x, [w])[0])
-    with pytest.raises(ValueError):
-        native.linear_packed(x, native.pack_rows(w), N + 4)
+def test_module_group_on_the_kernels_gives_each_modules_product():
+    from deltaserve.layers.prepack import PackedWeights, module_group
+    g = torch.Generator().manual_seed(2)
+    linears = [Linear(64, n).to(torch.bfloat16) for n in (16, 8, 40)]
+    with torch.no_grad():
+        for lin in linears:
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g))
+            enable_native_kernels(lin)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    parts = module_group(x, linears, PackedWeights())
+    for lin, part in zip(linears, parts):
+        assert torch.equal(part, lin(x))  # the same kernel, one call instead of three
 
 
 def test_native_linear_follows_weight_changes():
@@ -81,16 +83,20 @@ def test_linear_takes_row_strided_inputs_and_weights():
     big = torch.randn(3, 200, generator=g).to(torch.bfloat16)
     wbig = torch.randn(50, 300, generator=g).to(torch.bfloat16)
     x, w = big[:, :128], wbig[:20, 100:228]  # row strides 200 and 300
-    _assert_rounded_product(native.linear_bf16(x, [w])[0], x, w)
+    _assert_rounded_product(native.linear_packed(x, native.pack_rows(w), 20), x, w)
 
 
 def test_linear_rejects_what_the_kernel_cannot_read():
     x = torch.randn(2, 16).to(torch.bfloat16)
-    for bad in ([torch.randn(4, 16)], [torch.randn(4, 8).to(torch.bfloat16)], [torch.randn(16, 4).to(torch.bfloat16).T]):
-        with pytest.raises(ValueError):
-            native.linear_bf16(x, bad)
+    w = torch.randn(4, 16).to(torch.bfloat16)
     with pytest.raises(ValueError):
-        native.linear_bf16(x.float(), [torch.randn(4, 16).to(torch.bfloat16)])
+        native.linear_packed(x.float(), native.pack_rows(w), 4)  # fp32 input
+    with pytest.raises(ValueError):
+        native.linear_packed(x, native.pack_rows(w).float(), 4)  # not bf16
+    with pytest.raises(ValueError):
+        native.linear_packed(x, native.pack_rows(torch.randn(4, 40).to(torch.bfloat16)), 4)  # another K
+    with pytest.raises(ValueError):
+        native.linear_packed(x, native.pack_rows(w), 8)  # more rows than were packed
 
 
 def _experts(E: int, D: int, I: int, seed: int, preset: str = "kimi-linear-tiny") -> Experts:
@@ -173,10 +179,11 @@ def test_fp32_modules_are_not_switched():
 
 
 def test_a_failed_build_leaves_the_torch_paths(tmp_path, monkeypatch):
-    broken = tmp_path / "broken.c"
-    broken.write_text("this is not C\n")
+    broken = tmp_path / "src"
+    broken.mkdir()
+    (broken / "broken.c").write_text("this is not C\n")
     monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "SOURCES", broken)
     native.native_library.cache_clear()
     try:
         assert native.native_library() is None

@@ -44,7 +44,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # MLA latent (+ indexer keys): "auto" (model dtype), "int8" or "fp8" (C8)
     index_cache_dtype: str = "auto"  # DSA indexer keys: "auto" (follow kv_cache_dtype), "int8"/"fp8", or "model"
     prepack_weights: bool = True  # fast ops + bf16: pack weights once for oneDNN (layers/prepack.py)
-    native_kernels: bool = True  # fast ops + bf16: few-row products through ops/native_kernels.c (layers/native_path.py)
+    native_kernels: bool = True  # fast ops + bf16: few-row products through ops/native_src (layers/native_path.py)
     quantization: str | None = None  # MX weights at load: "w8a8-mxfp8", "w4a8-mxfp4", "mxfp" (layers/quantized.py)
     seed: int = 0
 

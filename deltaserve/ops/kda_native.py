@@ -1,4 +1,4 @@
-"""KDA from the projections to the core output over state slots, with a native CPU kernel (`native_kernels.c`).
+"""KDA from the projections to the core output over state slots, with a native CPU kernel (`native_src/attention.c`).
 
 Both ops run, per token, the short convs of q̂ | k̂ | v̂ over the slot's window (SiLU), L2-normalised q and k and
 the gated delta rule on the slot's state, everything in place in the state pools (model.md §8.2, §8.5):

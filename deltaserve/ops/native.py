@@ -1,12 +1,14 @@
-"""The native small-batch bf16 kernels (`native_kernels.c`): built once per machine, loaded through ctypes.
+"""The native CPU kernels (`native_src/`: products.c, attention.c, common.h): built once per machine, loaded
+through ctypes.
 
-The source is compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
-into the cache folder (`envs.cache_dir()`), under a name that hashes the source, the flags and the compiler, so
+The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
+into the cache folder (`envs.cache_dir()`), under a name that hashes the sources, the flags and the compiler, so
 an edit or a different machine builds anew; a concurrent build by another process is harmless (atomic rename).
 Without a compiler `native_library()` returns None and every caller keeps its torch path.
 
 The wrappers take torch tensors and check what the C side assumes (bf16, CPU, contiguous rows); the reference
-twins are `F.linear` and the torch MoE dispatch in `layers/moe.py` (tests/test_native.py holds them together).
+twins are `F.linear`, the torch MoE dispatch in `layers/moe.py` and the torch norms (tests/test_native.py holds
+them together).
 The KDA kernels are wrapped by `ops/kda_native.py`: ops of the op set, each with its reference twin.
 """
 
@@ -28,7 +30,7 @@ from .. import envs
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_kernels.c")
+SOURCES = Path(__file__).with_name("native_src")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -42,7 +44,11 @@ def native_library() -> ctypes.CDLL | None:
         log.warning("no C compiler: native decode kernels off, torch paths used")
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    files = sorted(SOURCES.glob("*.[ch]"))
+    digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
+    for f in files:
+        digest.update(f.name.encode() + f.read_bytes())
+    key = digest.hexdigest()[:16]
     target = envs.cache_dir() / "native" / f"kernels-{key}.so"
     if not target.exists():
         try:
@@ -52,7 +58,8 @@ def native_library() -> ctypes.CDLL | None:
             log.warning("cannot write the native kernels to %s (%s): torch paths used", target.parent, e)
             return None
         os.close(fd)
-        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        sources = [str(f) for f in files if f.suffix == ".c"]
+        build = subprocess.run([compiler, *FLAGS, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
         if build.returncode != 0:
             os.unlink(tmp)
             log.warning("building the native kernels failed, torch paths used:\n%s", build.stderr[-2000:])
@@ -101,21 +108,6 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
     lead = w.shape[:-2]
     padded = torch.nn.functional.pad(w.detach().to(torch.bfloat16), (0, Kp - K, 0, Np - N))
     return padded.reshape(*lead, Np // 4, 4, Kp // 32, 32).transpose(-3, -2).contiguous()
-
-
-def linear_bf16(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[x @ w.T for w in weights] for bf16 x [M, K] and row-major bf16 weights [N_i, K], in one parallel call;
-    each output is a fresh contiguous [M, N_i] bf16 tensor (the unpacked form, for weights read once)."""
-    if not (_rows(x) and all(_rows(w) and w.shape[1] == x.shape[1] for w in weights)):
-        raise ValueError("linear_bf16 takes bf16 CPU matrices with contiguous rows and matching K")
-    M, K = x.shape
-    outs = [torch.empty(M, w.shape[0], dtype=torch.bfloat16) for w in weights]
-    desc = (ctypes.c_int64 * (7 * len(weights)))()
-    for t, (w, y) in enumerate(zip(weights, outs)):
-        desc[7 * t:7 * t + 7] = [w.data_ptr(), w.stride(0), w.shape[0], y.data_ptr(), y.stride(0), x.data_ptr(),
-                                 x.stride(0)]
-    native_library().ds_linear_bf16(M, K, len(weights), desc, torch.get_num_threads())
-    return outs
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Tensor:

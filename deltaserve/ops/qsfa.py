@@ -1,7 +1,7 @@
 """QSFA: sparse absorbed MLA attention over selected latent rows of a paged cache (ops.md §4.1–4.2, model.md §9.5).
 
 Used by the engine's fast DSA path and dense MLA decode (layers/mla.py). On the CPU, a full-precision cache goes
-through the native kernel (`native_kernels.c`: one pass over each query's rows with a running max, no gathered
+through the native kernel (`native_src/attention.c`: one pass over each query's rows with a running max, no gathered
 fp32 copy); otherwise, and for C8, plain PyTorch, device-agnostic.
 
 Latent cache of one layer, flattened to rows (row = block_id · B + offset, as in `qli`):

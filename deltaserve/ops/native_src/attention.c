@@ -1,0 +1,283 @@
+/* KDA steps, QSFA sparse attention and KDA's gated output norm. */
+#include "common.h"
+
+/* One token of the gated delta rule on a [K, K] state S (row r = key index), in place: with ekq = e^g k and
+ * eqq = e^g q, sk = S^T ekq and sq = S^T eqq over the old state, delta = bt (v - sk), o = sq + kq delta, then
+ * S[r] = d[r] S[r] + k[r] delta. With AVX512 and K % 16 == 0 it runs column block by column block (up to 64
+ * columns: both passes over a block's 32 KiB stay in L1, the sums in registers). */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void delta_block(float *S, int64_t K, int64_t c0, const int NV,
+                                                              const float *ekq, const float *eqq, const float *d,
+                                                              const float *k, const float *v, float bt, float kq,
+                                                              float *o) {
+    __m512 sk[4], sq[4], dl[4];
+    for (int j = 0; j < NV; j++) sk[j] = sq[j] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < K; r++) {
+        __m512 a = _mm512_set1_ps(ekq[r]), e = _mm512_set1_ps(eqq[r]);
+        for (int j = 0; j < NV; j++) {
+            __m512 srow = _mm512_loadu_ps(S + r * K + c0 + 16 * j);
+            sk[j] = _mm512_fmadd_ps(a, srow, sk[j]);
+            sq[j] = _mm512_fmadd_ps(e, srow, sq[j]);
+        }
+    }
+    __m512 b = _mm512_set1_ps(bt), kqv = _mm512_set1_ps(kq);
+    for (int j = 0; j < NV; j++) {
+        dl[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + c0 + 16 * j), sk[j]), b);
+        _mm512_storeu_ps(o + c0 + 16 * j, _mm512_fmadd_ps(kqv, dl[j], sq[j]));
+    }
+    for (int64_t r = 0; r < K; r++) {
+        __m512 dr = _mm512_set1_ps(d[r]), kr = _mm512_set1_ps(k[r]);
+        for (int j = 0; j < NV; j++) {
+            float *p = S + r * K + c0 + 16 * j;
+            _mm512_storeu_ps(p, _mm512_fmadd_ps(dr, _mm512_loadu_ps(p), _mm512_mul_ps(kr, dl[j])));
+        }
+    }
+}
+#endif
+
+static void delta_rule_token(float *S, int64_t K, const float *ekq, const float *eqq, const float *d, const float *k,
+                             const float *v, float bt, float kq, float *o, float *scratch /* [3K] */) {
+#if defined(__AVX512F__)
+    if (K % 16 == 0) {
+        for (int64_t c0 = 0; c0 < K;) {
+            int64_t left = (K - c0) / 16;
+            switch (left >= 4 ? 4 : left) {
+            case 1: delta_block(S, K, c0, 1, ekq, eqq, d, k, v, bt, kq, o); c0 += 16; break;
+            case 2: delta_block(S, K, c0, 2, ekq, eqq, d, k, v, bt, kq, o); c0 += 32; break;
+            case 3: delta_block(S, K, c0, 3, ekq, eqq, d, k, v, bt, kq, o); c0 += 48; break;
+            default: delta_block(S, K, c0, 4, ekq, eqq, d, k, v, bt, kq, o); c0 += 64; break;
+            }
+        }
+        return;
+    }
+#endif
+    float *sk = scratch, *sq = scratch + K, *delta = scratch + 2 * K;
+    for (int64_t c = 0; c < K; c++) sk[c] = sq[c] = 0.f;
+    for (int64_t r = 0; r < K; r++)
+        for (int64_t c = 0; c < K; c++) {
+            sk[c] += ekq[r] * S[r * K + c];
+            sq[c] += eqq[r] * S[r * K + c];
+        }
+    for (int64_t c = 0; c < K; c++) {
+        delta[c] = (v[c] - sk[c]) * bt;
+        o[c] = sq[c] + kq * delta[c];
+    }
+    for (int64_t r = 0; r < K; r++)
+        for (int64_t c = 0; c < K; c++) S[r * K + c] = d[r] * S[r * K + c] + k[r] * delta[c];
+}
+
+/* KDA over the tokens of several sequences, from the projections to the core output (model.md §8.2, §8.5): per
+ * token, the short convs of q, k, v over the slot's window (SiLU, rounded to the input dtype as the torch conv
+ * returns it), q and k L2-normalised in fp32 (eps 1e-6 inside the sqrt), q scaled, then the gated delta rule on
+ * the slot's fp32 state [H, K, K] in place: S' = D S + k d^T with D = diag(e^g), d = beta (v - S^T (e^g k)),
+ * out = S'^T q (both matvecs read the old state); the window ends holding the last W-1 inputs.
+ * Sequence b owns tokens [cu[b], cu[b+1]) and slot slots[b]; a slot < 0 is padding (zeros out, no state).
+ * x [T, 3P] rows hold q | k | v before the conv (bf16 when x_bf16, else fp32; row stride ldx), P = H K;
+ * g [T, H, K], beta [T, H] fp32 contiguous; out [T, H, K] fp32. conv_w [3P, W] fp32; the window of slot s, channel c is at conv + s * conv_slot_stride + c * (W - 1) (oldest
+ * first); the state of slot s at rec + s * rec_slot_stride.
+ * One work item per (sequence, head): items touch disjoint channels and state, and a head's 64 KiB state stays
+ * in the core's cache for all of its tokens. The convs of a block of tokens run first, vectorised over channels. */
+#define KDA_BLOCK 32
+void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
+                 const float *conv_w, int64_t W, float *conv, int64_t conv_slot_stride, const float *g,
+                 const float *beta, float scale, float *rec, int64_t rec_slot_stride, const int64_t *slots,
+                 float *out, int nthreads) {
+    int64_t P = H * K, C3 = 3 * K;
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* hist [W-1][3K]: the window of the head's channels, tap-major; y [KDA_BLOCK][3K]: conv outputs */
+        float *hist = malloc(sizeof(float) * (size_t)((W > 1 ? W - 1 : 1) * C3));
+        float *y = malloc(sizeof(float) * (size_t)(KDA_BLOCK * C3)), *xin = malloc(sizeof(float) * (size_t)C3);
+        float *vec = malloc(sizeof(float) * (size_t)(7 * K)), *taps = malloc(sizeof(float) * (size_t)(W * C3));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < nseq * H; item++) {
+            int64_t b = item / H, h = item % H, s = slots[b], t0 = cu[b], n = cu[b + 1] - cu[b];
+            if (s < 0) {
+                for (int64_t t = t0; t < t0 + n; t++) memset(out + (t * H + h) * K, 0, sizeof(float) * (size_t)K);
+                continue;
+            }
+            float *win = conv + s * conv_slot_stride, *S = rec + s * rec_slot_stride + h * K * K;
+            for (int j = 0; j < 3; j++) /* the head's conv weights, tap-major [W][3K] */
+                for (int64_t c = 0; c < K; c++)
+                    for (int64_t u = 0; u < W; u++) taps[u * C3 + j * K + c] = conv_w[(j * P + h * K + c) * W + u];
+            for (int j = 0; j < 3; j++)
+                for (int64_t c = 0; c < K; c++)
+                    for (int64_t u = 0; u < W - 1; u++) hist[u * C3 + j * K + c] = win[(j * P + h * K + c) * (W - 1) + u];
+            /* input at sequence position i (may be negative: then from the window) for the head's channels */
+#define LOAD_INPUT(i, dst)                                                                                       \
+    do {                                                                                                         \
+        int64_t i_ = (i);                                                                                        \
+        if (i_ < 0) {                                                                                            \
+            memcpy(dst, hist + (W - 1 + i_) * C3, sizeof(float) * (size_t)C3);                                  \
+        } else {                                                                                                 \
+            for (int j_ = 0; j_ < 3; j_++) {                                                                     \
+                int64_t base_ = (t0 + i_) * ldx + j_ * P + h * K;                                                \
+                for (int64_t c_ = 0; c_ < K; c_++)                                                               \
+                    dst[j_ * K + c_] = x_bf16 ? bf16_to_f32(((const bf16 *)x)[base_ + c_])                      \
+                                              : ((const float *)x)[base_ + c_];                                  \
+            }                                                                                                    \
+        }                                                                                                        \
+    } while (0)
+            for (int64_t i0 = 0; i0 < n; i0 += KDA_BLOCK) {
+                int64_t nb = n - i0 < KDA_BLOCK ? n - i0 : KDA_BLOCK;
+                for (int64_t i = 0; i < nb; i++) { /* conv: acc = sum_u w[u] x[i - (W-1) + u] */
+                    float *acc = y + i * C3;
+                    for (int64_t c = 0; c < C3; c++) acc[c] = 0.f;
+                    for (int64_t u = 0; u < W; u++) {
+                        LOAD_INPUT(i0 + i - (W - 1) + u, xin);
+                        const float *wu = taps + u * C3;
+                        for (int64_t c = 0; c < C3; c++) acc[c] += wu[c] * xin[c];
+                    }
+                    float *e = vec; /* silu(a) = a / (1 + e^-a), in blocks of K */
+                    for (int64_t c0 = 0; c0 < C3; c0 += K) {
+                        for (int64_t c = 0; c < K; c++) e[c] = -acc[c0 + c];
+                        vexp(e, e, K);
+                        for (int64_t c = 0; c < K; c++) {
+                            float act = acc[c0 + c] / (1.f + e[c]);
+                            acc[c0 + c] = x_bf16 ? round_bf16(act) : act;
+                        }
+                    }
+                }
+                for (int64_t i = 0; i < nb; i++) { /* the delta rule, token by token */
+                    int64_t t = t0 + i0 + i;
+                    float *q = y + i * C3, *k = q + K, *v = q + 2 * K;
+                    float *d = vec, *ekq = vec + K, *eqq = vec + 2 * K, *sk = vec + 3 * K; /* sk: [3K] scratch */
+                    float rq = scale / sqrtf(dotf(q, q, K) + 1e-6f), rk = 1.f / sqrtf(dotf(k, k, K) + 1e-6f);
+                    vexp(d, g + (t * H + h) * K, K);
+                    for (int64_t c = 0; c < K; c++) {
+                        q[c] *= rq;
+                        k[c] *= rk;
+                        ekq[c] = d[c] * k[c];
+                        eqq[c] = d[c] * q[c];
+                    }
+                    float kq = dotf(k, q, K);
+                    delta_rule_token(S, K, ekq, eqq, d, k, v, beta[t * H + h], kq, out + (t * H + h) * K, sk);
+                }
+            }
+            /* the window keeps the last W-1 inputs, oldest first */
+            for (int64_t u = 0; u < W - 1; u++) {
+                LOAD_INPUT(n - (W - 1) + u, xin);
+                for (int j = 0; j < 3; j++)
+                    for (int64_t c = 0; c < K; c++) win[(j * P + h * K + c) * (W - 1) + u] = xin[j * K + c];
+            }
+#undef LOAD_INPUT
+        }
+        free(hist);
+        free(y);
+        free(xin);
+        free(vec);
+        free(taps);
+    }
+}
+
+/* Sparse absorbed MLA attention (QSFA, ops.md §4.5) over bf16 or fp32 latent rows: for query t and head h, the
+ * softmax over its selected rows j (selected[t, :] up to the first -1) of scale (q_lat[t,h] . c_j + q_pe[t,h] .
+ * kpe_j), out_lat[t,h] = sum_j p_j c_j and lse[t,h] = log sum_j exp(score_j) (-inf and a zero output when no row
+ * is selected). q_lat [T, H, r], q_pe [T, H, rho] fp32 contiguous; latent rows [c | kpe] of width r + rho at
+ * row stride ld (bf16 when lat_bf16). One pass over the rows with a running max (rows read once per item);
+ * an item is one query and a group of heads (all heads unless there are fewer queries than threads).
+ * Returns 0, or -1 (nothing computed) when a selected row is not below nrows. */
+#define QSFA_ROWS 16
+int ds_qsfa(int64_t T, int64_t H, int64_t r, int64_t rho, const float *q_lat, const float *q_pe, const void *lat,
+            int64_t ld, int64_t nrows, int lat_bf16, const int64_t *selected, int64_t kmax, float scale, float *out,
+            float *lse, int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < kmax && selected[t * kmax + j] >= 0; j++)
+            if (selected[t * kmax + j] >= nrows) return -1;
+    int64_t split = T < nthreads ? (H < nthreads ? H : nthreads) : 1, hper = (H + split - 1) / split;
+    int64_t width = r + rho;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *row = malloc(sizeof(float) * (size_t)(QSFA_ROWS * width));
+        float *sc = malloc(sizeof(float) * (size_t)(QSFA_ROWS * hper)), *mx = malloc(sizeof(float) * (size_t)hper);
+        float *z = malloc(sizeof(float) * (size_t)hper);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < T * split; item++) {
+            int64_t t = item / split, h0 = (item % split) * hper, h1 = h0 + hper < H ? h0 + hper : H, nh = h1 - h0;
+            if (nh <= 0) continue;
+            const int64_t *sel = selected + t * kmax;
+            int64_t n = 0;
+            while (n < kmax && sel[n] >= 0) n++;
+            float *o = out + (t * H + h0) * r;
+            memset(o, 0, sizeof(float) * (size_t)(nh * r));
+            for (int64_t h = 0; h < nh; h++) {
+                mx[h] = -INFINITY;
+                z[h] = 0.f;
+            }
+            for (int64_t j0 = 0; j0 < n; j0 += QSFA_ROWS) {
+                int64_t nb = n - j0 < QSFA_ROWS ? n - j0 : QSFA_ROWS;
+                for (int64_t j = 0; j < nb; j++) {
+                    float *dst = row + j * width;
+                    if (lat_bf16) {
+                        const bf16 *src = (const bf16 *)lat + sel[j0 + j] * ld;
+                        for (int64_t c = 0; c < width; c++) dst[c] = bf16_to_f32(src[c]);
+                    } else {
+                        memcpy(dst, (const float *)lat + sel[j0 + j] * ld, sizeof(float) * (size_t)width);
+                    }
+                }
+                for (int64_t h = 0; h < nh; h++) {
+                    const float *ql = q_lat + (t * H + h0 + h) * r, *qp = q_pe + (t * H + h0 + h) * rho;
+                    float bmax = -INFINITY;
+                    for (int64_t j = 0; j < nb; j++) {
+                        const float *c = row + j * width;
+                        float s = (dotf(ql, c, r) + dotf(qp, c + r, rho)) * scale;
+                        sc[h * QSFA_ROWS + j] = s;
+                        bmax = s > bmax ? s : bmax;
+                    }
+                    float nm = bmax > mx[h] ? bmax : mx[h];
+                    float rescale = mx[h] == -INFINITY ? 0.f : expf(mx[h] - nm);
+                    float *oh = o + h * r;
+                    if (rescale != 1.f)
+                        for (int64_t i = 0; i < r; i++) oh[i] *= rescale;
+                    z[h] *= rescale;
+                    mx[h] = nm;
+                    for (int64_t j = 0; j < nb; j++) sc[h * QSFA_ROWS + j] -= nm;
+                    vexp(sc + h * QSFA_ROWS, sc + h * QSFA_ROWS, nb);
+                    for (int64_t j = 0; j < nb; j++) {
+                        float p = sc[h * QSFA_ROWS + j];
+                        const float *c = row + j * width;
+                        z[h] += p;
+                        for (int64_t i = 0; i < r; i++) oh[i] += p * c[i];
+                    }
+                }
+            }
+            for (int64_t h = 0; h < nh; h++) {
+                float *oh = o + h * r;
+                if (z[h] > 0.f) {
+                    float inv = 1.f / z[h];
+                    for (int64_t i = 0; i < r; i++) oh[i] *= inv;
+                    lse[t * H + h0 + h] = mx[h] + logf(z[h]);
+                } else {
+                    lse[t * H + h0 + h] = -INFINITY;
+                }
+            }
+        }
+        free(row);
+        free(sc);
+        free(mx);
+        free(z);
+    }
+    return 0;
+}
+
+/* KDA's gated output norm (model.md §8.7) in the reference rounding order: per row of K values, x = bf16(core)
+ * (the core output cast to the model dtype), y = w * (x * rsqrt(mean(x^2) + eps)) in fp32, out = bf16(y *
+ * sigmoid(gate)). core [R, K] fp32 contiguous; gate rows [R, K] bf16 at row stride ldg; w [K] fp32; out [R, K]. */
+void ds_gated_rmsnorm_bf16(const float *core, int64_t R, int64_t K, const bf16 *gate, int64_t ldg, const float *w,
+                           float eps, bf16 *out, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (R * K >= (1 << 16))
+    {
+        float *x = malloc(sizeof(float) * (size_t)(2 * K)), *e = x + K;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < R; i++) {
+            for (int64_t c = 0; c < K; c++) {
+                x[c] = round_bf16(core[i * K + c]);
+                e[c] = -bf16_to_f32(gate[i * ldg + c]);
+            }
+            float r = 1.f / sqrtf(dotf(x, x, K) / (float)K + eps);
+            vexp(e, e, K);
+            for (int64_t c = 0; c < K; c++) out[i * K + c] = f32_to_bf16(w[c] * (x[c] * r) * (1.f / (1.f + e[c])));
+        }
+        free(x);
+    }
+}

@@ -1,0 +1,200 @@
+/* Shared by the native CPU kernels (products.c, attention.c): bf16 conversions, vectorised fp32 helpers and the
+ * bf16 dot-product tiles over row-major or packed weights. Built at first use by ops/native.py with the system
+ * compiler for this machine (-march=native) and called through ctypes with raw pointers.
+ *
+ * Why (issue 10): at decode a step multiplies 1-16 rows by ~200 weight matrices. oneDNN's packed linear pays
+ * 20-70 us of fixed cost per call at these sizes, the MoE dispatch adds a dozen torch ops per expert, and KDA /
+ * QSFA are chains of small ops. These kernels read each weight once in one OpenMP region per call and
+ * accumulate in fp32 with AVX512-BF16 dot products (AVX512F or plain C where that is missing).
+ *
+ * Rounding follows the torch reference twins: a product is rounded to bf16 (round to nearest even) where the
+ * reference's output is bf16, activations are taken in fp32 of the rounded inputs, and sums the reference takes
+ * in fp32 stay fp32. Dot products accumulate in another order than oneDNN's, so results agree to fp32 rounding,
+ * not bit for bit.
+ *
+ * OpenMP: the library links libgomp.so.1, which resolves to the copy torch already loaded, so these regions
+ * share torch's thread pool; the caller passes torch's thread count.
+ */
+#ifndef DELTASERVE_NATIVE_COMMON_H
+#define DELTASERVE_NATIVE_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+typedef uint16_t bf16;
+
+#define TILE_ROWS 4   /* weight rows per tile */
+#define BLOCK_ROWS 32 /* weight rows per work item */
+#define MAX_X 4       /* input rows per tile */
+
+static inline float bf16_to_f32(bf16 v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN (quiet) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+#if defined(__AVX512F__)
+/* The four horizontal sums [sum(a), sum(b), sum(c), sum(d)] at once (halves added, then three hadds): about a
+ * third of the instructions of four separate reductions, which at M >= 4 cost as much as the dot products. */
+static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    __m256 c2 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    __m256 d2 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a2, b2), _mm256_hadd_ps(c2, d2));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
+/* out[i][j] = dot(x[i], w[j]) over K for i < NX (<= MAX_X) and TILE_ROWS rows j (row pointers may repeat).
+ * NX is a compile-time constant at every call (see dot_tile), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void dot_tile_n(const bf16 *const *x, const int NX,
+                                                             const bf16 *const *w, int64_t K, const int64_t kstep,
+                                                             float out[MAX_X][TILE_ROWS]) {
+#if defined(__AVX512BF16__)
+    __m512 acc[MAX_X][TILE_ROWS];
+    for (int i = 0; i < NX; i++)
+        for (int j = 0; j < TILE_ROWS; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512i wv[TILE_ROWS];
+        for (int j = 0; j < TILE_ROWS; j++) wv[j] = _mm512_loadu_si512(w[j] + k / 32 * kstep);
+        for (int i = 0; i < NX; i++) {
+            __m512i xv = _mm512_loadu_si512(x[i] + k);
+            for (int j = 0; j < TILE_ROWS; j++)
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+        }
+    }
+    if (k < K) {
+        __mmask32 m = (__mmask32)((1u << (K - k)) - 1u);
+        __m512i wv[TILE_ROWS];
+        for (int j = 0; j < TILE_ROWS; j++) wv[j] = _mm512_maskz_loadu_epi16(m, w[j] + k / 32 * kstep);
+        for (int i = 0; i < NX; i++) {
+            __m512i xv = _mm512_maskz_loadu_epi16(m, x[i] + k);
+            for (int j = 0; j < TILE_ROWS; j++)
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+        }
+    }
+    for (int i = 0; i < NX; i++) _mm_storeu_ps(out[i], reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+#elif defined(__AVX512F__)
+    __m512 acc[MAX_X][TILE_ROWS];
+    for (int i = 0; i < NX; i++)
+        for (int j = 0; j < TILE_ROWS; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (K - k)) - 1u);
+        __m512 wv[TILE_ROWS];
+        for (int j = 0; j < TILE_ROWS; j++)
+            wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w[j] + k / 32 * kstep + k % 32)), 16));
+        for (int i = 0; i < NX; i++) {
+            __m512 xv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x[i] + k)), 16));
+            for (int j = 0; j < TILE_ROWS; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < NX; i++)
+        for (int j = 0; j < TILE_ROWS; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+#else
+    for (int i = 0; i < NX; i++)
+        for (int j = 0; j < TILE_ROWS; j++) {
+            float s = 0.f;
+            for (int64_t k = 0; k < K; k++) s += bf16_to_f32(x[i][k]) * bf16_to_f32(w[j][k / 32 * kstep + k % 32]);
+            out[i][j] = s;
+        }
+#endif
+}
+
+static inline void dot_tile(const bf16 *const *x, int nx, const bf16 *const *w, int64_t K, int64_t kstep,
+                     float out[MAX_X][TILE_ROWS]) {
+    switch (nx) {
+    case 1: dot_tile_n(x, 1, w, K, kstep, out); break;
+    case 2: dot_tile_n(x, 2, w, K, kstep, out); break;
+    case 3: dot_tile_n(x, 3, w, K, kstep, out); break;
+    default: dot_tile_n(x, 4, w, K, kstep, out); break;
+    }
+}
+
+/* The packed layout of a [N, K] weight (see pack_rows in ops/native.py): tiles of TILE_ROWS rows, each tile
+ * [ceil(K/32)][TILE_ROWS][32] with rows and K zero-padded, so one tile is one sequential stream (the hardware
+ * prefetchers follow one stream far better than TILE_ROWS short ones: ~30% more bandwidth at decode). */
+static inline int64_t padded_k(int64_t K) { return (K + 31) / 32 * 32; }
+
+/* dots[i][n - n0] = dot(x rows[i], w row n) for n in [n0, n1) (n0 a multiple of TILE_ROWS), all M rows (in tiles
+ * of MAX_X inputs). w is row-major with row stride ldw, or packed (ldw < 0). */
+static inline void dot_block(const bf16 *const *xrows, int64_t M, const bf16 *w, int64_t ldw, int64_t N, int64_t n0,
+                      int64_t n1, int64_t K, float *dots /* [M][BLOCK_ROWS] */) {
+    for (int64_t n = n0; n < n1; n += TILE_ROWS) {
+        const bf16 *wr[TILE_ROWS];
+        int64_t kstep = 32;
+        if (ldw < 0) {
+            const bf16 *tile = w + n * padded_k(K);
+            for (int j = 0; j < TILE_ROWS; j++) wr[j] = tile + j * 32;
+            kstep = TILE_ROWS * 32;
+        } else {
+            for (int j = 0; j < TILE_ROWS; j++) wr[j] = w + (n + j < N ? n + j : N - 1) * ldw;
+        }
+        for (int64_t i0 = 0; i0 < M; i0 += MAX_X) {
+            int nx = M - i0 < MAX_X ? (int)(M - i0) : MAX_X;
+            float out[MAX_X][TILE_ROWS];
+            dot_tile(xrows + i0, nx, wr, K, kstep, out);
+            for (int i = 0; i < nx; i++)
+                for (int j = 0; j < TILE_ROWS && n + j < n1; j++) dots[(i0 + i) * BLOCK_ROWS + (n + j - n0)] = out[i][j];
+        }
+    }
+}
+
+/* sum_i a[i] b[i] in fp32, 16 lanes at a time with AVX512 (a fixed summation order, not the sequential one). */
+static inline float dotf(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* out[i] = exp(in[i]) for n values: Cephes' single-precision polynomial (about 1 ulp) scaled by 2^round(x log2 e)
+ * with AVX512 (scalef handles overflow and underflow); expf elsewhere. in and out may alias. */
+static inline void vexp(float *out, const float *in, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), c1 = _mm512_set1_ps(0.693359375f),
+                 c2 = _mm512_set1_ps(-2.12194440e-4f), lo = _mm512_set1_ps(-104.f), hi = _mm512_set1_ps(88.75f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_loadu_ps(in + i), lo), hi);
+        __m512 m = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(m, c2, _mm512_fnmadd_ps(m, c1, x));
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+        _mm512_storeu_ps(out + i, _mm512_scalef_ps(p, m));
+    }
+#endif
+    for (; i < n; i++) out[i] = expf(in[i]);
+}
+
+#endif

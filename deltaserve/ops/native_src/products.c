@@ -1,0 +1,162 @@
+/* Products: few-row bf16 linears (one or several weights, or one per head), the fused MoE / MLP, RMSNorm. */
+#include "common.h"
+
+/* Linear products of M rows: for each task t, y_t [M, N_t] (row stride ldy_t) = x_t [M, K] (row stride ldx_t) @
+ * W_t^T with W_t [N_t, K] row-major (row stride ldw_t) or packed (ldw_t = -1), rounded to bf16. desc holds 7
+ * int64 per task: W_t's address, ldw_t, N_t, y_t's address, ldy_t, x_t's address, ldx_t (tasks may share x:
+ * several weights over one input, or differ: one weight per attention head). */
+#define DESC 7
+void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const int64_t *desc, int nthreads) {
+    int64_t nitems = 0;
+    for (int64_t t = 0; t < ntasks; t++) nitems += (desc[t * DESC + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const bf16 **xrows = malloc(sizeof(bf16 *) * (size_t)M);
+        float *dots = malloc(sizeof(float) * (size_t)(M * BLOCK_ROWS));
+        int64_t xt = -1;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < nitems; item++) {
+            int64_t t = 0, b = item;
+            while (b >= (desc[t * DESC + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS)
+                b -= (desc[t++ * DESC + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+            const int64_t *d = desc + t * DESC;
+            const bf16 *w = (const bf16 *)(intptr_t)d[0];
+            int64_t ldw = d[1], N = d[2], ldy = d[4];
+            bf16 *y = (bf16 *)(intptr_t)d[3];
+            if (t != xt) {
+                for (int64_t i = 0; i < M; i++) xrows[i] = (const bf16 *)(intptr_t)d[5] + i * d[6];
+                xt = t;
+            }
+            int64_t n0 = b * BLOCK_ROWS, n1 = n0 + BLOCK_ROWS < N ? n0 + BLOCK_ROWS : N;
+            dot_block(xrows, M, w, ldw, N, n0, n1, K, dots);
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t n = n0; n < n1; n++) y[i * ldy + n] = f32_to_bf16(dots[i * BLOCK_ROWS + n - n0]);
+        }
+        free(xrows);
+        free(dots);
+    }
+}
+
+/* The gated activation of n columns of one token, from the fp32 dot products g (gate) and u (up), which are
+ * first rounded to bf16 as the reference's products are. act->kind 0: SiLU-GLU, bf16(bf16(silu(g)) * u) (torch's
+ * silu rounds, then the product rounds); 1: SiTU, bf16((beta tanh(g / beta)) sigmoid(g) * up) in fp32 with up =
+ * u, or lin_beta tanh(u / lin_beta) when has_lin. Exponentials vectorised (vexp); tanh(x) = 1 - 2 / (e^{2x} + 1). */
+typedef struct {
+    int kind, has_lin;
+    float beta, lin_beta;
+} glu_act;
+
+static void glu_block(float *g, float *u, int64_t n, const glu_act *act, bf16 *out) {
+    float e[BLOCK_ROWS], t[BLOCK_ROWS];
+    for (int64_t c = 0; c < n; c++) {
+        g[c] = round_bf16(g[c]);
+        u[c] = round_bf16(u[c]);
+        e[c] = -g[c];
+    }
+    vexp(e, e, n);
+    if (act->kind == 0) {
+        for (int64_t c = 0; c < n; c++) out[c] = f32_to_bf16(round_bf16(g[c] / (1.f + e[c])) * u[c]);
+        return;
+    }
+    for (int64_t c = 0; c < n; c++) t[c] = 2.f * g[c] / act->beta;
+    vexp(t, t, n);
+    for (int64_t c = 0; c < n; c++) g[c] = (act->beta * (1.f - 2.f / (t[c] + 1.f))) * (1.f / (1.f + e[c]));
+    if (act->has_lin) {
+        for (int64_t c = 0; c < n; c++) t[c] = 2.f * u[c] / act->lin_beta;
+        vexp(t, t, n);
+        for (int64_t c = 0; c < n; c++) u[c] = act->lin_beta * (1.f - 2.f / (t[c] + 1.f));
+    }
+    for (int64_t c = 0; c < n; c++) out[c] = f32_to_bf16(g[c] * u[c]);
+}
+
+/* Gated experts over a few tokens: out [T, D] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t]), where
+ * expert_e(v) = W2[e] @ act(W1[e] v, W3[e] v) with act SiLU-GLU (act_kind 0) or SiTU (1: beta, lin_beta, NaN
+ * for none; see glu_block). W1/W3 are [E, I, D], W2 is [E, D, I], contiguous, or each
+ * expert's matrix packed (packed != 0).
+ * Each expert runs once over the tokens that picked it. h [T*k, I] is scratch. Rounding as the reference:
+ * gate, up, silu(gate), the GLU product and each expert's output are bf16; the combine is fp32, rounded once.
+ * A dense MLP is the case E = 1, k = 1, weight 1. Returns 0, or -1 (nothing computed) for an id outside [0, E). */
+int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
+                const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind,
+                float beta, float lin_beta, bf16 *h, bf16 *out, int nthreads) {
+    glu_act actv = {act_kind, !isnan(lin_beta), beta, lin_beta}, *act = &actv;
+    /* per-expert matrix strides and row strides: row-major, or packed (row stride -1) */
+    int64_t s13 = packed ? (I + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(D) : I * D;
+    int64_t s2 = packed ? (D + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(I) : D * I;
+    int64_t ld13 = packed ? -1 : D, ld2 = packed ? -1 : I;
+    int64_t P = T * k;
+    for (int64_t p = 0; p < P; p++)
+        if (experts[p] < 0 || experts[p] >= E) return -1;
+    /* pairs grouped by expert, ascending expert then pair index: order[start[e] .. start[e+1]) */
+    int64_t *start = calloc((size_t)(E + 1), sizeof(int64_t));
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)P), *fill = malloc(sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t p = 0; p < P; p++) start[experts[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    memcpy(fill, start, sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t p = 0; p < P; p++) order[fill[experts[p]]++] = p;
+    int64_t *used = malloc(sizeof(int64_t) * (size_t)E), nused = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (start[e + 1] > start[e]) used[nused++] = e;
+    const bf16 **xrows = malloc(sizeof(bf16 *) * (size_t)P), **hrows = malloc(sizeof(bf16 *) * (size_t)P);
+    for (int64_t s = 0; s < P; s++) {
+        xrows[s] = x + (order[s] / k) * D;
+        hrows[s] = h + order[s] * I;
+    }
+    int64_t iblocks = (I + BLOCK_ROWS - 1) / BLOCK_ROWS, dblocks = (D + BLOCK_ROWS - 1) / BLOCK_ROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *g = malloc(sizeof(float) * (size_t)(P * BLOCK_ROWS));
+        float *u = malloc(sizeof(float) * (size_t)(P * BLOCK_ROWS));
+#pragma omp for schedule(dynamic, 1) /* experts differ in token count */
+        for (int64_t item = 0; item < nused * iblocks; item++) {
+            int64_t e = used[item / iblocks], n0 = (item % iblocks) * BLOCK_ROWS;
+            int64_t n1 = n0 + BLOCK_ROWS < I ? n0 + BLOCK_ROWS : I, s0 = start[e], m = start[e + 1] - s0;
+            dot_block(xrows + s0, m, w1 + e * s13, ld13, I, n0, n1, D, g);
+            dot_block(xrows + s0, m, w3 + e * s13, ld13, I, n0, n1, D, u);
+            for (int64_t i = 0; i < m; i++)
+                glu_block(g + i * BLOCK_ROWS, u + i * BLOCK_ROWS, n1 - n0, act, h + order[s0 + i] * I + n0);
+        }
+        /* implicit barrier: every h row is complete */
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < dblocks; item++) {
+            int64_t n0 = item * BLOCK_ROWS, n1 = n0 + BLOCK_ROWS < D ? n0 + BLOCK_ROWS : D;
+            float *y = g; /* [P][BLOCK_ROWS] expert outputs of this row block, in pair order */
+            for (int64_t ue = 0; ue < nused; ue++) {
+                int64_t e = used[ue], s0 = start[e], m = start[e + 1] - s0;
+                dot_block(hrows + s0, m, w2 + e * s2, ld2, D, n0, n1, I, u);
+                for (int64_t i = 0; i < m; i++)
+                    for (int64_t n = n0; n < n1; n++)
+                        y[order[s0 + i] * BLOCK_ROWS + n - n0] = round_bf16(u[i * BLOCK_ROWS + n - n0]);
+            }
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t n = n0; n < n1; n++) {
+                    float acc = 0.f;
+                    for (int64_t j = 0; j < k; j++) acc += weights[t * k + j] * y[(t * k + j) * BLOCK_ROWS + n - n0];
+                    out[t * D + n] = f32_to_bf16(acc);
+                }
+        }
+        free(g);
+        free(u);
+    }
+    free(start);
+    free(order);
+    free(fill);
+    free(used);
+    free(xrows);
+    free(hrows);
+    return 0;
+}
+
+/* RMSNorm of bf16 rows in the reference rounding order (model.md §3): out = w * bf16(x * rsqrt(mean(x^2) + eps)),
+ * statistics in fp32, the product with the bf16 weight rounded once. x [M, D] at row stride ldx; out [M, D]. */
+void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf16 *w, float eps, bf16 *out,
+                     int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * D >= (1 << 16))
+    for (int64_t i = 0; i < M; i++) {
+        float *xf = malloc(sizeof(float) * (size_t)D);
+        for (int64_t c = 0; c < D; c++) xf[c] = bf16_to_f32(x[i * ldx + c]);
+        float r = 1.f / sqrtf(dotf(xf, xf, D) / (float)D + eps);
+        for (int64_t c = 0; c < D; c++) out[i * D + c] = f32_to_bf16(round_bf16(xf[c] * r) * bf16_to_f32(w[c]));
+        free(xf);
+    }
+}
