@@ -88,18 +88,17 @@ class KimiDeltaAttention(nn.Module):
                     batch.cache.save_kda_checkpoint(self.layer, checkpoint, *state)
                 start = seg.stop
         if self.native and x.dtype == torch.bfloat16 and gate.stride(-1) == 1:
-            gate_rows = gate.reshape(N * H, K)  # a view for contiguous or row-strided gates
+            gate_rows = gate.reshape(N * H, K)  # one row per head (a copy when the gate is a column slice)
             out = gated_rmsnorm_bf16(core.view(N * H, K), gate_rows, self.o_norm.weight, self.config.rms_norm_eps)
         else:
             out = gated_rms_norm(core.to(x.dtype), gate.view(N, H, K), self.o_norm.weight, self.config.rms_norm_eps)
         return self.o_proj(out.reshape(N, self.P))
 
     def packable_dtype(self) -> torch.dtype:
-        return self.o_proj.weight.dtype
+        return self.o_norm.weight.dtype
 
     def packable_device(self) -> torch.device:
-        return self.o_proj.weight.device
-
+        return self.o_norm.weight.device
 
     def _conv_weight(self) -> torch.Tensor:
         """The q, k, v conv weights stacked [3P, W], kept until one of them changes."""
