@@ -26,10 +26,17 @@ def takes_native(x: torch.Tensor, max_rows: int) -> bool:
 def enable_native_kernels(model: torch.nn.Module) -> int:
     """Switch on `native` in every module that has it and whose weights the kernels take (modules with a `pack_now`,
     the experts, pack at once); returns how many."""
+    return switch_modules(model, "native", native_usable)
+
+
+def switch_modules(model: torch.nn.Module, switch: str, supported) -> int:
+    """Set the boolean attribute `switch` on every module that has it and whose weights `supported(dtype, device)`
+    accepts; a module with a `pack_now` packs at once. Returns how many modules were switched (shared with
+    `prepack.enable_prepacking`)."""
     switched = 0
     for module in model.modules():
-        if hasattr(module, "native") and native_usable(module.packable_dtype(), module.packable_device()):
-            module.native = True
+        if hasattr(module, switch) and supported(module.packable_dtype(), module.packable_device()):
+            setattr(module, switch, True)
             if hasattr(module, "pack_now"):
                 module.pack_now()
             switched += 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.native import linear_packed, pack_rows
-from .native_path import LINEAR_MAX_ROWS, takes_native
+from .native_path import LINEAR_MAX_ROWS, switch_modules, takes_native
 
 
 def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -81,11 +81,4 @@ def enable_prepacking(model: torch.nn.Module) -> int:
     """Switch every module with a `prepack` switch (Linear, stacked Experts) whose weights are packable to packed
     weights; modules with a `pack_now` (experts, each used only when routed to) pack at once, the others on their
     first call. Returns how many modules were switched."""
-    switched = 0
-    for module in model.modules():
-        if hasattr(module, "prepack") and prepack_supported(module.packable_dtype(), module.packable_device()):
-            module.prepack = True
-            if hasattr(module, "pack_now"):
-                module.pack_now()
-            switched += 1
-    return switched
+    return switch_modules(model, "prepack", prepack_supported)
