@@ -4,7 +4,7 @@
 kernels have built. Plain linears and dense MLPs still run oneDNN above a row count where its blocked GEMM is
 faster (measured on the 2-core EPYC): linears up to `LINEAR_MAX_ROWS` rows, MLPs up to `MLP_MAX_ROWS` tokens take
 the kernels. Routed experts take the fused kernel at every size: each expert sees only a share of the tokens, and
-one call over all of them beat the per-expert oneDNN dispatch from 1 token (589 -> 85 us) to 2048 (85 -> 62 ms)
+one call over all of them beat the per-expert oneDNN dispatch from 1 token (559 -> 78 us) to 2048 (92 -> 55 ms)
 on kimi-linear-small's expert shapes.
 """
 
