@@ -12,6 +12,7 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.state_slots import StateSlots
+from deltaserve.layers.linear import Linear
 
 # A different greedy choice is accepted only where the engine's token is within this much of the reference's top
 # logit. The tiny random models amplify fp32 summation-order noise to ~1e-4 on the logits (see
@@ -180,6 +181,22 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], SamplingParams]], ma
     assert {a[1] for a in arrivals} <= set(done)  # plus any request added before the call
     assert_pools_free(engine)
     return done
+
+
+def bf16_runs_switched(path, flag: str, switch: str, seed: int, logprobs: int) -> list[list[tuple[list[int], list]]]:
+    """Greedy bf16 runs of three random prompts (8 tokens each) with the engine flag `flag` on, then off; checks
+    that the Linear modules' attribute `switch` follows the flag and that the pools end free. Returns, per run,
+    (token ids, sampled-token logprobs) per prompt."""
+    prompts = random_prompts([9, 30, 17], seed=seed, high=700)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=logprobs)
+    runs = []
+    for on in (True, False):
+        llm = make_llm(path, dtype="bfloat16", **{flag: on})
+        assert any(getattr(m, switch) for m in llm.engine.model.modules() if isinstance(m, Linear)) == on
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs])
+        assert_pools_free(llm.engine)
+    return runs
 
 
 def random_prompts(lengths: list[int], seed: int, high: int) -> list[list[int]]:

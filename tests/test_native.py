@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deltaserve import SamplingParams
 from deltaserve.config import ModelConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.mlp import MLP
@@ -16,7 +15,7 @@ from deltaserve.layers.moe import Experts, Routing
 from deltaserve.layers.native_path import MLP_MAX_ROWS, enable_native_kernels
 from deltaserve.ops import native
 from deltaserve.tools.presets import get_preset
-from engine_utils import assert_pools_free, make_llm, random_prompts
+from engine_utils import bf16_runs_switched
 
 pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
 
@@ -198,17 +197,7 @@ def test_a_failed_build_leaves_the_torch_paths(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "deepseek-v32-tiny"])
 def test_engine_greedy_tokens_unchanged_by_the_kernels(make_checkpoint, preset):
-    path = make_checkpoint(preset)
-    prompts = random_prompts([9, 30, 17], seed=7, high=700)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    runs = []
-    for on in (True, False):
-        llm = make_llm(path, dtype="bfloat16", native_kernels=on)
-        linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
-        assert any(m.native for m in linears) == on
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs])
-        assert_pools_free(llm.engine)
+    runs = bf16_runs_switched(make_checkpoint(preset), "native_kernels", "native", seed=7, logprobs=1)
     for (tokens_on, lp_on), (tokens_off, lp_off) in zip(*runs):
         assert tokens_on == tokens_off
         torch.testing.assert_close(torch.tensor(lp_on), torch.tensor(lp_off), atol=0.05, rtol=0)

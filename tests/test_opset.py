@@ -13,8 +13,7 @@ from engine_utils import assert_pools_free, assert_same_greedy, make_llm, new_st
 
 def test_reference_set_is_made_of_twins():
     fast, ref = get_ops("fast"), get_ops("reference")
-    for name in ("kda_chunk", "kda_recurrent", "short_conv", "attn_res_mix", "kda_decode_batched",
-                 "short_conv_decode_batched", "kda_prefill_varlen"):
+    for name in ("kda_chunk", "kda_recurrent", "short_conv", "attn_res_mix", "kda_decode_step", "kda_step_varlen"):
         assert getattr(ref, name).__name__ == getattr(fast, name).__name__ + "_ref", name
     assert set(OP_SETS) == {"fast", "reference"}
     with pytest.raises(ValueError, match="unknown op set"):

@@ -7,13 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deltaserve import SamplingParams
 from deltaserve.config import ModelConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.moe import Experts, Routing
 from deltaserve.layers.prepack import enable_prepacking, prepack_supported
 from deltaserve.tools.presets import get_preset
-from engine_utils import assert_pools_free, make_llm, random_prompts
+from engine_utils import bf16_runs_switched
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.bfloat16),
                                 reason="this torch build or CPU has no oneDNN bf16 path")
@@ -59,15 +58,5 @@ def test_packed_experts_are_bit_identical():
 
 @pytest.mark.parametrize("preset", ["k31-tiny", "kimi-linear-tiny"])
 def test_engine_tokens_and_logprobs_unchanged_by_prepacking(make_checkpoint, preset):
-    path = make_checkpoint(preset)
-    prompts = random_prompts([9, 30, 17], seed=5, high=700)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
-    runs = []
-    for prepack in (True, False):
-        llm = make_llm(path, dtype="bfloat16", prepack_weights=prepack)
-        linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
-        assert any(m.prepack for m in linears) == prepack
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs])
-        assert_pools_free(llm.engine)
+    runs = bf16_runs_switched(make_checkpoint(preset), "prepack_weights", "prepack", seed=5, logprobs=2)
     assert runs[0] == runs[1]

@@ -13,7 +13,7 @@ from ..ops.kda import kda_gate, l2_normalize
 from ..ops.native import gated_rmsnorm_bf16
 from .batch import StepBatch
 from .linear import Linear
-from .prepack import PackedWeights, module_group
+from .prepack import Derived, PackedWeights, module_group
 from .norm import gated_rms_norm
 
 
@@ -42,7 +42,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm.weight = nn.Parameter(torch.ones(K))
         self.o_proj = Linear(P, d)
         self._inputs = PackedWeights()
-        self._stacked_conv: tuple[tuple, torch.Tensor] | None = None
+        self._stacked_conv = Derived()
         self.native = False  # the output norm through the native kernel (layers/native_path.py)
 
     def _input_projections(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -103,10 +103,7 @@ class KimiDeltaAttention(nn.Module):
     def _conv_weight(self) -> torch.Tensor:
         """The q, k, v conv weights stacked [3P, W], kept until one of them changes."""
         convs = [c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
-        key = tuple((w.data_ptr(), w._version) for w in convs)
-        if self._stacked_conv is None or self._stacked_conv[0] != key:
-            self._stacked_conv = (key, torch.cat([w.detach().view(self.P, self.W) for w in convs]))
-        return self._stacked_conv[1]
+        return self._stacked_conv.get(convs, lambda: torch.cat([w.detach().view(self.P, self.W) for w in convs]))
 
     def _decode_batched(self, q_in, k_in, v_in, g, beta, pool, slots, ops) -> torch.Tensor:
         """One token for each of n sequences: convs and the delta rule over their slots, in place."""

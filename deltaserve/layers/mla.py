@@ -17,6 +17,7 @@ from .batch import StepBatch
 from .linear import Linear
 from .native_path import LINEAR_MAX_ROWS
 from .norm import LayerNorm, RMSNorm
+from .prepack import Derived
 from .rope import RotaryEmbedding, rotate_half_split, rotate_interleaved, softmax_scale_factor
 
 
@@ -70,9 +71,9 @@ class MLAttention(nn.Module):
         self.rotary = (RotaryEmbedding(self.rho, config.rope_theta, config.rope_scaling)
                        if config.uses_rope or (use_indexer and config.index_use_rope) else None)
         self.scale = config.qk_head_dim ** -0.5 * softmax_scale_factor(config.rope_scaling if config.uses_rope else None)
-        self._mlapo: tuple[tuple, MLAWeights] | None = None  # (source-weight key, fused MLAPO weights)
-        self._kv_b_split: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see _split_kv_b
-        self._kv_b_packed: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see _kv_b_native
+        self._mlapo = Derived()  # the fused MLAPO weights
+        self._kv_b_split = Derived()  # see _split_kv_b
+        self._kv_b_packed = Derived()  # see _kv_b_native
         self.native = False  # a few rows' absorptions through the native kernels (layers/native_path.py)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -150,10 +151,7 @@ class MLAttention(nn.Module):
     def _fused_weights(self) -> MLAWeights:
         """The concatenated MLAPO weights, built once and rebuilt only when a source weight was replaced or
         changed in place (its storage or version counter moved), so they never go stale."""
-        key = tuple((p.data_ptr(), p._version) for p in self.parameters(recurse=True))
-        if self._mlapo is None or self._mlapo[0] != key:
-            self._mlapo = (key, MLAWeights.from_layer(self).fuse())
-        return self._mlapo[1]
+        return self._mlapo.get(list(self.parameters(recurse=True)), lambda: MLAWeights.from_layer(self).fuse())
 
     def _fused_sparse(self, x: torch.Tensor, pages, batch: StepBatch) -> torch.Tensor:
         """One MLAPO call (projections, norms, absorption, indexer q/k/w, page writes at the step's rows), then
@@ -191,21 +189,21 @@ class MLAttention(nn.Module):
     def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous W_UK [H, n, r] and W_UV^T [H, r, v] split from kv_b_proj, kept until its weight changes (so
         each absorbed product reads one contiguous matrix per head instead of copying a strided view)."""
-        weight = self.kv_b_proj.weight
-        key = (weight.data_ptr(), weight._version)
-        if self._kv_b_split is None or self._kv_b_split[0] != key:
-            w = weight.detach().view(self.H, self.n + self.v, self.r)
-            self._kv_b_split = (key, w[:, :self.n].contiguous(), w[:, self.n:].transpose(1, 2).contiguous())
-        return self._kv_b_split[1], self._kv_b_split[2]
+        def split():
+            w = self._kv_b_heads()
+            return w[:, :self.n].contiguous(), w[:, self.n:].transpose(1, 2).contiguous()
+        return self._kv_b_split.get([self.kv_b_proj.weight], split)
 
     def _kv_b_native(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK^T [H, r, n] and W_UV [H, v, r] packed for the native kernels, kept until kv_b_proj changes."""
-        weight = self.kv_b_proj.weight
-        key = (weight.data_ptr(), weight._version)
-        if self._kv_b_packed is None or self._kv_b_packed[0] != key:
-            w = weight.detach().view(self.H, self.n + self.v, self.r)
-            self._kv_b_packed = (key, pack_rows(w[:, :self.n].transpose(1, 2)), pack_rows(w[:, self.n:]))
-        return self._kv_b_packed[1], self._kv_b_packed[2]
+        def pack():
+            w = self._kv_b_heads()
+            return pack_rows(w[:, :self.n].transpose(1, 2)), pack_rows(w[:, self.n:])
+        return self._kv_b_packed.get([self.kv_b_proj.weight], pack)
+
+    def _kv_b_heads(self) -> torch.Tensor:
+        """kv_b_proj's weight per head: [H, n + v, r]."""
+        return self.kv_b_proj.weight.detach().view(self.H, self.n + self.v, self.r)
 
     def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_lat [T, H, r] = per head q_nope W_UK (a few bf16 rows: one native call over all heads)."""

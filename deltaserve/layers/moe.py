@@ -13,7 +13,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.native import moe_bf16, pack_rows
 from .linear import Linear
-from .prepack import PackedWeights, linear_group, packed_linear
+from .prepack import Derived, PackedWeights, linear_group, packed_linear
 from .mlp import MLP, glu_activation, situ_params
 from .norm import RMSNorm
 
@@ -30,15 +30,12 @@ class Router(nn.Module):
         E = config.num_experts
         self.weight = nn.Parameter(torch.empty(E, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
-        self._f32: tuple[tuple, torch.Tensor] | None = None
+        self._f32 = Derived()
 
     def _weight_f32(self) -> torch.Tensor:
         """The router weight in fp32, converted once and again only when the weight changes (the logits are fp32
         on every path; converting [E, hidden] per call cost more than the product at decode)."""
-        key = (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
-        if self._f32 is None or self._f32[0] != key:
-            self._f32 = (key, self.weight.detach().float())
-        return self._f32[1]
+        return self._f32.get([self.weight], lambda: self.weight.detach().float())
 
     def forward(self, x: torch.Tensor) -> Routing:
         """fp32 scores from the same x on every path; ties rank (score desc, expert id asc)."""
@@ -76,7 +73,7 @@ class Experts(nn.Module):
         self.prepack = False  # see layers/prepack.py: per expert, gate+up stacked and down, each packed once
         self.native = False  # see layers/native_path.py: every token through the fused expert kernel
         self._packed: dict[int, tuple[PackedWeights, PackedWeights]] = {}
-        self._native_packed: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
+        self._native_packed = Derived()
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         if self.native and x.dtype == torch.bfloat16:
@@ -100,10 +97,8 @@ class Experts(nn.Module):
 
     def _native_weights(self) -> tuple[torch.Tensor, ...]:
         """w1, w3, w2 in the native kernels' packed layout, rebuilt when a source's storage or version moves."""
-        key = tuple((w.data_ptr(), w._version) for w in (self.w1, self.w3, self.w2))
-        if self._native_packed is None or self._native_packed[0] != key:
-            self._native_packed = (key, tuple(pack_rows(w) for w in (self.w1, self.w3, self.w2)))
-        return self._native_packed[1]
+        weights = [self.w1, self.w3, self.w2]
+        return self._native_packed.get(weights, lambda: tuple(pack_rows(w) for w in weights))
 
     def pack_now(self) -> None:
         """Pack every expert up front, so no step pays for packing an expert the first time it is routed to: all

@@ -12,6 +12,9 @@ packs only with `--ops fast`, bf16 weights and oneDNN bf16 support, and `--no-pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ..ops.native import linear_packed, pack_rows
@@ -24,26 +27,34 @@ def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") ->
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-class PackedWeights:
-    """Packed copies of one weight, or of several weights that read the same input (their rows stacked in order:
-    one product instead of one per weight): oneDNN's blocked form (`get`) and the native kernels' row tiles
-    (`get_native`, ops/native.py), each built on first use. Both are rebuilt when any source's storage or version
-    counter moves."""
+class Derived:
+    """A value built from some weights (a converted, stacked, split or packed copy), kept until any source's
+    storage or version counter moves, so it never goes stale."""
 
     def __init__(self):
         self._key: tuple | None = None
-        self._forms: dict[str, torch.Tensor] = {}
-        self.splits: tuple[int, ...] = ()
+        self._value = None
+
+    def get(self, sources: list[torch.Tensor], build: Callable[[], Any]) -> Any:
+        key = tuple((w.data_ptr(), w._version) for w in sources)
+        if key != self._key:
+            self._value, self._key = build(), key
+        return self._value
+
+
+class PackedWeights:
+    """Packed copies of one weight, or of several weights that read the same input (their rows stacked in order:
+    one product instead of one per weight): oneDNN's blocked form (`get`) and the native kernels' row tiles
+    (`get_native`, ops/native.py), each built on first use and rebuilt when a source changes."""
+
+    def __init__(self):
+        self._forms = Derived()  # form name -> packed tensor, a fresh dict whenever the sources change
 
     def _form(self, weights: list[torch.Tensor], name: str, pack) -> torch.Tensor:
-        key = tuple((w.data_ptr(), w._version) for w in weights)
-        if key != self._key:
-            self._forms.clear()
-            self.splits = tuple(w.shape[0] for w in weights)
-            self._key = key
-        if name not in self._forms:
-            self._forms[name] = pack(torch.cat([w.detach() for w in weights], dim=0))
-        return self._forms[name]
+        forms = self._forms.get(weights, dict)
+        if name not in forms:
+            forms[name] = pack(torch.cat([w.detach() for w in weights], dim=0))
+        return forms[name]
 
     def get(self, weights: list[torch.Tensor]) -> torch.Tensor:
         return self._form(weights, "onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
@@ -56,7 +67,7 @@ def linear_group(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedWei
     """[x @ w.T for w in weights] as one product over the stacked packed weights, split (each part made contiguous:
     later elementwise ops on strided column slices run several times slower on the CPU)."""
     y = packed_linear(x, packed.get(weights))
-    return [part.contiguous() for part in torch.split(y, packed.splits, dim=-1)]
+    return [part.contiguous() for part in torch.split(y, [w.shape[0] for w in weights], dim=-1)]
 
 
 def module_group(x: torch.Tensor, modules: list[torch.nn.Module], packed: PackedWeights) -> list[torch.Tensor]:
@@ -66,7 +77,7 @@ def module_group(x: torch.Tensor, modules: list[torch.nn.Module], packed: Packed
     weights = [getattr(m, "weight", None) for m in modules]
     if all(getattr(m, "native", False) for m in modules) and takes_native(x, LINEAR_MAX_ROWS):
         y = linear_packed(x, packed.get_native(weights), sum(w.shape[0] for w in weights))
-        return list(torch.split(y, packed.splits, dim=-1))
+        return list(torch.split(y, [w.shape[0] for w in weights], dim=-1))
     if all(getattr(m, "prepack", False) for m in modules):
         return linear_group(x, weights, packed)
     return [m(x) for m in modules]

@@ -68,8 +68,7 @@ def kda_decode_step(x: Tensor, conv_weight: Tensor, conv_states: Tensor, g: Tens
     if not _native_layout(x, conv_weight, conv_states, recurrent_states):
         return _decode_composed(short_conv_decode_batched, kda_decode_batched, x, conv_weight, conv_states, g,
                                 beta, scale, recurrent_states, slots)
-    return _native(x, conv_weight, conv_states, g, beta, scale, list(range(x.shape[0] + 1)), recurrent_states,
-                   _slot_list(slots))
+    return _native(x, conv_weight, conv_states, g, beta, scale, list(range(x.shape[0] + 1)), recurrent_states, slots)
 
 
 def kda_step_varlen_ref(x: Tensor, conv_weight: Tensor, conv_states: Tensor, g: Tensor, beta: Tensor,
@@ -92,15 +91,15 @@ def kda_step_varlen(x: Tensor, conv_weight: Tensor, conv_states: Tensor, g: Tens
     return _native(x, conv_weight, conv_states, g, beta, scale, cu, recurrent_states, sl)
 
 
-def _native(x, conv_weight, conv_states, g, beta, scale, cu: list[int], recurrent_states, sl: list[int]) -> Tensor:
+def _native(x, conv_weight, conv_states, g, beta, scale, cu: list[int], recurrent_states, slots) -> Tensor:
     T, H, K = g.shape
     out = torch.empty(T, H, K, dtype=torch.float32)
     if T == 0:
         return out
     g, beta = g.float().contiguous(), beta.float().contiguous()
-    cu_t, slots_t = torch.tensor(cu, dtype=torch.int64), torch.tensor(sl, dtype=torch.int64)
+    cu_t, slots_t = torch.tensor(cu, dtype=torch.int64), torch.as_tensor(slots, dtype=torch.int64).contiguous()
     native.native_library().ds_kda_step(
-        len(sl), cu_t.data_ptr(), H, K, x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, conv_weight.data_ptr(),
+        slots_t.numel(), cu_t.data_ptr(), H, K, x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, conv_weight.data_ptr(),
         conv_weight.shape[1], conv_states.data_ptr(), conv_states.stride(0), g.data_ptr(), beta.data_ptr(),
         K ** -0.5 if scale is None else scale, recurrent_states.data_ptr(), recurrent_states.stride(0),
         slots_t.data_ptr(), out.data_ptr(), torch.get_num_threads())

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import attn_res, conv, kda, kda_batched, kda_native, mla
+from . import attn_res, conv, kda, kda_native, mla
 
 
 @dataclass(frozen=True)
@@ -18,22 +18,16 @@ class OpSet:
     attn_res_mix: Callable
     mla_decode: Callable  # attention of single-token queries over cached latents
     mla_prefill: Callable  # attention of a chunk's queries over the sequence's latents (expanded form)
-    kda_decode_batched: Callable  # one token of many sequences over their state slots, in place
-    short_conv_decode_batched: Callable
-    kda_prefill_varlen: Callable  # chunked prefill of many sequences in one call, states in place in their slots
     kda_decode_step: Callable  # convs + normalisation + delta rule for one token of many sequences, in place
     kda_step_varlen: Callable  # the same for several tokens of several sequences (a prefill round)
 
 
 OP_SETS: dict[str, OpSet] = {
     "fast": OpSet("fast", kda.kda_chunk, kda.kda_recurrent, conv.short_conv, attn_res.attn_res_mix,
-                  mla.mla_attention_absorbed, mla.mla_attention_expanded, kda_batched.kda_decode_batched,
-                  kda_batched.short_conv_decode_batched, kda_batched.kda_prefill_varlen,
-                  kda_native.kda_decode_step, kda_native.kda_step_varlen),
+                  mla.mla_attention_absorbed, mla.mla_attention_expanded, kda_native.kda_decode_step,
+                  kda_native.kda_step_varlen),
     "reference": OpSet("reference", kda.kda_chunk_ref, kda.kda_recurrent_ref, conv.short_conv_ref,
                        attn_res.attn_res_mix_ref, mla.mla_attention_ref, mla.mla_attention_ref,
-                       kda_batched.kda_decode_batched_ref,
-                       kda_batched.short_conv_decode_batched_ref, kda_batched.kda_prefill_varlen_ref,
                        kda_native.kda_decode_step_ref, kda_native.kda_step_varlen_ref),
 }
 
