@@ -73,6 +73,18 @@ def test_attn_res_mix_matches_hand_formula(n):
     assert _maxerr(ref, torch.stack(V).mean(0)) > 1e-2
 
 
+@pytest.mark.parametrize("n", [2, 5])
+def test_attn_res_mix_bf16_matches_its_reference(n):
+    """bf16 sources (the native kernel where it builds): the fp32 mixture rounded once, as the reference's."""
+    V = [v.to(torch.bfloat16) for v in _sources(n, 6, seed=n)]
+    q, g = _randn(D, seed=7).to(torch.bfloat16), (1 + 0.1 * _randn(D, seed=8)).to(torch.bfloat16)
+    out, ref = ds_mix(V, q, g, 1e-5), ds_mix_ref(V, q, g, 1e-5)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    exact = attn_res_mix([v.float() for v in V], q.float(), g.float(), 1e-5)
+    assert ((out.float() - exact).abs() <= exact.abs() * 2.0 ** -8 * 1.01 + 1e-5).all()
+    assert (out.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2.0 ** -7
+
+
 def test_attn_res_one_source_is_identity():
     V = _sources(1, 7, seed=1)
     q, g = _randn(D, seed=2, scale=10.0), _randn(D, seed=3)

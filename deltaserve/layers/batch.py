@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -71,6 +72,18 @@ class StepBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
+
+    @cached_property
+    def decode_slots(self) -> torch.Tensor | None:
+        """[B] int64 state slot of every sequence when this step is pure decode (one row per sequence, in order, no
+        prefix-cache snapshot) over a cache whose handles carry slots; else None. Built once per step, read by
+        every KDA layer's fused block (layers/fused_blocks.py)."""
+        B = self.num_seqs
+        if (self.cache is None or len(self.handles) != B or self.query_start != list(range(B + 1))
+                or any(self.kda_snapshots)):
+            return None
+        slots = [getattr(h, "slot", None) for h in self.handles]
+        return None if None in slots else torch.tensor(slots, dtype=torch.int64)
 
     def rows(self, i: int) -> slice:
         return slice(self.query_start[i], self.query_start[i + 1])

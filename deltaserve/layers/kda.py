@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.kda import kda_gate, l2_normalize
+from ..ops.kda import l2_normalize
+from ..ops.kda_native import kda_gate_beta, kda_gate_beta_ref
 from ..ops.native import gated_rmsnorm_bf16
 from .batch import StepBatch
 from .linear import Linear
@@ -45,18 +46,20 @@ class KimiDeltaAttention(nn.Module):
         self._stacked_conv = Derived()
         self.native = False  # the output norm through the native kernel (layers/native_path.py)
 
+    def input_linears(self) -> list[nn.Module]:
+        """The projections of the layer input, in the order their weights are stacked: q, k, v, f_a, b, g (or g_a)."""
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj]
+
     def _input_projections(self, x: torch.Tensor) -> list[torch.Tensor]:
         """q, k, v, f_a, b and g (or g_a) of x: one product over their stacked weights when they are prepacked."""
-        linears = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
-                   self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj]
-        return module_group(x, linears, self._inputs)
+        return module_group(x, self.input_linears(), self._inputs)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         N, H, K = x.shape[0], self.H, self.K
         q_in, k_in, v_in, f_a, b, g_in = self._input_projections(x)
-        u = self.f_b_proj(f_a).float() + self.dt_bias.float()
-        g = kda_gate(u.view(N, H, K), self.A_log.float(), self.config.kda_gate_lower_bound)
-        beta = torch.sigmoid(b.float())
+        gate_beta = kda_gate_beta if self.native else kda_gate_beta_ref
+        g, beta = gate_beta(self.f_b_proj(f_a), b, self.dt_bias, self.A_log, self.config.kda_gate_lower_bound)
         gate = g_in if self.config.kda_full_rank_gate else self.g_b_proj(g_in)
 
         core = torch.empty(N, H, K, dtype=torch.float32, device=x.device)

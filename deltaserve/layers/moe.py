@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.native import moe_bf16, pack_rows
+from ..ops.native import moe_bf16, pack_rows, router_bf16
 from .linear import Linear
 from .prepack import Derived, PackedWeights, linear_group, packed_linear
 from .mlp import MLP, glu_activation, situ_params
@@ -31,15 +31,29 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(E, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self._f32 = Derived()
+        self.native = False  # bf16 rows through the native router (layers/native_path.py)
 
     def _weight_f32(self) -> torch.Tensor:
         """The router weight in fp32, converted once and again only when the weight changes (the logits are fp32
         on every path; converting [E, hidden] per call cost more than the product at decode)."""
         return self._f32.get([self.weight], lambda: self.weight.detach().float())
 
+    def _bias_f32(self) -> torch.Tensor:
+        return self.e_score_correction_bias.detach().float().contiguous()
+
+    def packable_dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def packable_device(self) -> torch.device:
+        return self.weight.device
+
     def forward(self, x: torch.Tensor) -> Routing:
         """fp32 scores from the same x on every path; ties rank (score desc, expert id asc)."""
         c = self.config
+        if self.native and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1:
+            return Routing(*router_bf16(x, self._weight_f32(), self._bias_f32(), c.num_experts_per_token,
+                                        c.router_activation != "sigmoid", c.num_expert_group, c.topk_group,
+                                        c.moe_renormalize, c.routed_scaling_factor))
         logits = torch.nn.functional.linear(x.float(), self._weight_f32())
         scores = torch.sigmoid(logits) if c.router_activation == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores + self.e_score_correction_bias.float()

@@ -6,6 +6,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.batch import StepBatch
+from ..layers.fused_blocks import BlockDescriptors, attention_block, ffn_block
 from ..layers.kda import KimiDeltaAttention
 from ..layers.linear import Linear
 from ..layers.mla import MLAttention
@@ -38,14 +39,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.attn_res = attn_res and config.attn_res_block_size is not None
+        self.fuse_blocks = True
+        self.fused_descriptors = BlockDescriptors()
         if self.attn_res:
             self.self_attention_res = AttnResQuery(d, eps)
             self.mlp_res = AttnResQuery(d, eps)
 
     def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Ordinary pre-norm residual block."""
-        h = h + self.self_attn(self.input_layernorm(h), batch)
-        return h + self.ffn(self.post_attention_layernorm(h))
+        """Ordinary pre-norm residual block. At decode, a sub-block whose parts all run on the native kernels runs as
+        one fused call with the same result (layers/fused_blocks.py); `fuse_blocks = False` keeps the modules."""
+        fused = attention_block(self, h, batch, h) if self.fuse_blocks else None
+        h = fused if fused is not None else h + self.self_attn(self.input_layernorm(h), batch)
+        fused = ffn_block(self, h, h) if self.fuse_blocks else None
+        return fused if fused is not None else h + self.ffn(self.post_attention_layernorm(h))
 
     def forward_attn_res(self, p: torch.Tensor, bank: list[torch.Tensor], batch: StepBatch) -> torch.Tensor:
         """One layer of model.md §5.3. `p` is the current block's partial sum; `bank` is extended in place on a
@@ -54,10 +60,15 @@ class DecoderLayer(nn.Module):
         write = self.config.attnres_write(self.layer)
         if write:
             bank.append(p)
-        a = self.self_attn(self.input_layernorm(x), batch)
-        p = a if write else p + a
+        fused = attention_block(self, x, batch, None if write else p) if self.fuse_blocks else None
+        if fused is not None:
+            p = fused
+        else:
+            a = self.self_attn(self.input_layernorm(x), batch)
+            p = a if write else p + a
         y = self.mlp_res.mix(bank + [p], batch)
-        return p + self.ffn(self.post_attention_layernorm(y))
+        fused = ffn_block(self, y, p) if self.fuse_blocks else None
+        return fused if fused is not None else p + self.ffn(self.post_attention_layernorm(y))
 
 
 class CausalLM(nn.Module):

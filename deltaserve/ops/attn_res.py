@@ -1,9 +1,15 @@
 """AttnRes mixing over depth (model.md §5.2).
 
-`attn_res_mix_ref` is the readable formula; `attn_res_mix` computes the same with GEMVs and in-place accumulation.
+`attn_res_mix_ref` is the readable formula; `attn_res_mix` computes the same with GEMVs and in-place accumulation,
+or, for bf16 sources on the CPU, in one native call (native_src/attention.c `ds_attn_res_mix`: a K3 decode step
+mixes twice a layer, and the torch form's ~8 small ops a source were most of a k31-small step's op count).
 """
 
+import ctypes
+
 import torch
+
+from . import native
 
 
 def attn_res_mix_ref(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -31,6 +37,13 @@ def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: 
     flattened batch, and the mixture is accumulated in place (no stacked copy of the sources)."""
     if len(sources) == 1:
         return sources[0]
+    if _native_mix(sources, query, norm_weight):
+        N, d = sources[0].shape
+        out = torch.empty(N, d, dtype=torch.bfloat16)
+        addresses = (ctypes.c_int64 * len(sources))(*(v.data_ptr() for v in sources))
+        native.native_library().ds_attn_res_mix(addresses, len(sources), N, d, norm_weight.data_ptr(),
+                                                query.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+        return out
     c = norm_weight.float() * query.float()
     d = sources[0].shape[-1]
     logits = torch.stack([torch.rsqrt(v.float().pow(2).sum(-1) / d + eps) * (v.float() @ c) for v in sources], 0)
@@ -39,3 +52,13 @@ def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: 
     for a, v in zip(alpha[1:], sources[1:]):
         out.addcmul_(v.float(), a.unsqueeze(-1))
     return out.to(sources[0].dtype)
+
+
+def _native_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """bf16 CPU sources [N, d] of one shape, each contiguous, bf16 contiguous query and weight [d], kernels built."""
+    first = sources[0]
+    return (first.dtype == torch.bfloat16 and first.device.type == "cpu" and first.dim() == 2
+            and all(v.shape == first.shape and v.dtype == torch.bfloat16 and v.is_contiguous() for v in sources)
+            and query.dtype == norm_weight.dtype == torch.bfloat16 and query.is_contiguous()
+            and norm_weight.is_contiguous() and query.shape == norm_weight.shape == first.shape[1:]
+            and native.native_library() is not None)

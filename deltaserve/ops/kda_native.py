@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import native
 from .conv import short_conv, short_conv_ref
-from .kda import l2_normalize
+from .kda import kda_gate, l2_normalize
 from .kda_batched import (_bounds, _check_distinct, _slot_list, kda_decode_batched, kda_decode_batched_ref,
                           kda_prefill_varlen, kda_prefill_varlen_ref, short_conv_decode_batched,
                           short_conv_decode_batched_ref)
@@ -89,6 +89,31 @@ def kda_step_varlen(x: Tensor, conv_weight: Tensor, conv_states: Tensor, g: Tens
         return _varlen_composed(short_conv, kda_prefill_varlen, x, conv_weight, conv_states, g, beta, scale,
                                 cu_seqlens, recurrent_states, slots)
     return _native(x, conv_weight, conv_states, g, beta, scale, cu, recurrent_states, sl)
+
+
+def kda_gate_beta_ref(u: Tensor, b: Tensor, dt_bias: Tensor, A_log: Tensor,
+                      lower_bound: float | None) -> tuple[Tensor, Tensor]:
+    """The layer's forget gate g [T, H, K] (ops/kda.py `kda_gate` of u + dt_bias) and beta = sigmoid(b) [T, H], fp32,
+    from the f_b_proj output u [T, H K] and the b_proj output b [T, H]."""
+    T, H = b.shape
+    g = kda_gate((u.float() + dt_bias.float()).view(T, H, -1), A_log.float(), lower_bound)
+    return g, torch.sigmoid(b.float())
+
+
+def kda_gate_beta(u: Tensor, b: Tensor, dt_bias: Tensor, A_log: Tensor,
+                  lower_bound: float | None) -> tuple[Tensor, Tensor]:
+    """Fast twin of `kda_gate_beta_ref` (equal to fp32 rounding): one native call for bf16 rows on the CPU."""
+    T, H = b.shape
+    K = u.shape[1] // H
+    if not (native.native_library() is not None and u.dtype == b.dtype == torch.bfloat16 and u.device.type == "cpu"
+            and u.dim() == 2 and u.stride(1) == 1 and b.stride(1) == 1 and u.shape == (T, H * K)):
+        return kda_gate_beta_ref(u, b, dt_bias, A_log, lower_bound)
+    dt, a = dt_bias.detach().float().contiguous(), A_log.detach().float().contiguous()
+    g, beta = torch.empty(T, H, K), torch.empty(T, H)
+    native.native_library().ds_kda_gate(u.data_ptr(), u.stride(0), b.data_ptr(), b.stride(0), T, H, K, dt.data_ptr(),
+                                        a.data_ptr(), float("nan") if lower_bound is None else lower_bound,
+                                        g.data_ptr(), beta.data_ptr(), torch.get_num_threads())
+    return g, beta
 
 
 def _native(x, conv_weight, conv_states, g, beta, scale, cu: list[int], recurrent_states, slots) -> Tensor:

@@ -31,6 +31,7 @@ from .. import envs
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("native_src")
+_F = ctypes.c_float
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -81,6 +82,17 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_rmsnorm_bf16.restype = None
     lib.ds_gated_rmsnorm_bf16.argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_float, _P, ctypes.c_int]
     lib.ds_gated_rmsnorm_bf16.restype = None
+    lib.ds_kda_gate.argtypes = [_P, _I, _P, _I, _I, _I, _I, _P, _P, _F, _P, _P, ctypes.c_int]
+    lib.ds_kda_gate.restype = None
+    lib.ds_router.argtypes = [_P, _I, _I, _I, _P, _P, _I, ctypes.c_int, _I, _I, _I, ctypes.c_int, _F, _P, _P,
+                              ctypes.c_int]
+    lib.ds_router.restype = ctypes.c_int
+    lib.ds_kda_block.argtypes = [_P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _P, ctypes.c_int]
+    lib.ds_kda_block.restype = None
+    lib.ds_moe_block.argtypes = [_P, _P, _P, _P, _I, _P, ctypes.c_int]
+    lib.ds_moe_block.restype = ctypes.c_int
+    lib.ds_attn_res_mix.argtypes = [_P, _I, _I, _I, _P, _P, _F, _P, ctypes.c_int]
+    lib.ds_attn_res_mix.restype = None
     return lib
 
 
@@ -162,6 +174,24 @@ def gated_rmsnorm_bf16(core: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     native_library().ds_gated_rmsnorm_bf16(core.data_ptr(), R, K, gate.data_ptr(), gate.stride(0), w.data_ptr(), eps,
                                            out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def router_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, softmax: bool, groups: int,
+                topk_group: int, renorm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router (layers/moe.py `Router`, model.md §10) of bf16 rows x [T, D] (contiguous rows) against the fp32
+    weight [E, D] and correction bias [E]: (experts int64 [T, k], weights fp32 [T, k])."""
+    T, D = x.shape
+    E = weight.shape[0]
+    if not (_rows(x) and weight.dtype == bias.dtype == torch.float32 and weight.is_contiguous()
+            and weight.shape == (E, D) and bias.shape == (E,) and bias.is_contiguous()):
+        raise ValueError("router_bf16 takes bf16 x [T, D] with contiguous rows, an fp32 weight [E, D] and bias [E]")
+    experts = torch.empty(T, k, dtype=torch.int64)
+    weights = torch.empty(T, k, dtype=torch.float32)
+    if native_library().ds_router(x.data_ptr(), T, D, x.stride(0), weight.data_ptr(), bias.data_ptr(), E, softmax,
+                                  groups, topk_group, k, renorm, scale, experts.data_ptr(), weights.data_ptr(),
+                                  torch.get_num_threads()):
+        raise ValueError(f"router_bf16: top-{k} of {E} experts in {groups} groups (keeping {topk_group}) is not valid")
+    return experts, weights
 
 
 def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,

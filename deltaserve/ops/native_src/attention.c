@@ -1,5 +1,5 @@
 /* KDA steps, QSFA sparse attention and KDA's gated output norm. */
-#include "common.h"
+#include "kernels.h"
 
 /* One token of the gated delta rule on a [K, K] state S (row r = key index), in place: with ekq = e^g k and
  * eqq = e^g q, sk = S^T ekq and sq = S^T eqq over the old state, delta = bt (v - sk), o = sq + kq delta, then
@@ -280,4 +280,63 @@ void ds_gated_rmsnorm_bf16(const float *core, int64_t R, int64_t K, const bf16 *
         }
         free(x);
     }
+}
+
+/* KDA's forget gate and beta (model.md §8.3) for T tokens: u = bf16 f_b_proj output [T, H K] (row stride ldu) +
+ * dt_bias, a = exp(A_log[h]); g = -a softplus(u) (softplus(u) = u above 20), or, with a lower bound λ (not NaN),
+ * λ sigmoid(a u); beta = sigmoid(b) for the bf16 b_proj output [T, H] (row stride ldb). g [T, H, K] and
+ * beta [T, H] fp32. Twin: ops/kda.py kda_gate and torch.sigmoid (equal to fp32 rounding). */
+void ds_kda_gate(const bf16 *u, int64_t ldu, const bf16 *b, int64_t ldb, int64_t T, int64_t H, int64_t K,
+                 const float *dt_bias, const float *A_log, float lower_bound, float *g, float *beta, int nthreads) {
+    int safe = !isnan(lower_bound);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * H * K >= (1 << 16))
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            float a = expf(A_log[h]);
+            beta[t * H + h] = 1.f / (1.f + expf(-bf16_to_f32(b[t * ldb + h])));
+            for (int64_t c = 0; c < K; c++) {
+                float v = bf16_to_f32(u[t * ldu + h * K + c]) + dt_bias[h * K + c];
+                g[(t * H + h) * K + c] = safe ? lower_bound * (1.f / (1.f + expf(-(a * v))))
+                                              : -a * (v > 20.f ? v : log1pf(expf(v)));
+            }
+        }
+}
+
+/* AttnRes depth mixing (model.md §5.3) of S bf16 sources [N, D] (contiguous; src holds their addresses): per row,
+ * s_i = rsqrt(mean(v_i^2) + eps) * <v_i, norm_w * query>, alpha = softmax_i(s), out = bf16(sum_i alpha_i v_i) in
+ * fp32. norm_w and query [D] bf16. Twin: ops/attn_res.py attn_res_mix (equal to fp32 rounding). */
+void ds_attn_res_mix(const int64_t *src, int64_t S, int64_t N, int64_t D, const bf16 *norm_w, const bf16 *query,
+                     float eps, bf16 *out, int nthreads) {
+    float *c = malloc(sizeof(float) * (size_t)D);
+    for (int64_t j = 0; j < D; j++) c[j] = bf16_to_f32(norm_w[j]) * bf16_to_f32(query[j]);
+#pragma omp parallel num_threads(nthreads) if (N * S * D >= (1 << 16))
+    {
+        float *v = malloc(sizeof(float) * (size_t)D), *acc = malloc(sizeof(float) * (size_t)D);
+        float *alpha = malloc(sizeof(float) * (size_t)S);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            float mx = -INFINITY, sum = 0.f;
+            for (int64_t i = 0; i < S; i++) {
+                const bf16 *row = (const bf16 *)src[i] + n * D;
+                for (int64_t j = 0; j < D; j++) v[j] = bf16_to_f32(row[j]);
+                alpha[i] = dotf(v, c, D) / sqrtf(dotf(v, v, D) / (float)D + eps);
+                mx = alpha[i] > mx ? alpha[i] : mx;
+            }
+            for (int64_t i = 0; i < S; i++) {
+                alpha[i] = expf(alpha[i] - mx);
+                sum += alpha[i];
+            }
+            memset(acc, 0, sizeof(float) * (size_t)D);
+            for (int64_t i = 0; i < S; i++) {
+                const bf16 *row = (const bf16 *)src[i] + n * D;
+                float a = alpha[i] / sum;
+                for (int64_t j = 0; j < D; j++) acc[j] += a * bf16_to_f32(row[j]);
+            }
+            for (int64_t j = 0; j < D; j++) out[n * D + j] = f32_to_bf16(acc[j]);
+        }
+        free(v);
+        free(acc);
+        free(alpha);
+    }
+    free(c);
 }

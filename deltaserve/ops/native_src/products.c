@@ -1,5 +1,5 @@
 /* Products: few-row bf16 linears (one or several weights, or one per head), the fused MoE / MLP, RMSNorm. */
-#include "common.h"
+#include "kernels.h"
 
 /* Linear products of M rows: for each task t, y_t [M, N_t] (row stride ldy_t) = x_t [M, K] (row stride ldx_t) @
  * W_t^T with W_t [N_t, K] row-major (row stride ldw_t) or packed (ldw_t = -1), rounded to bf16. desc holds 7
@@ -159,4 +159,84 @@ void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf1
         for (int64_t c = 0; c < D; c++) out[i * D + c] = f32_to_bf16(round_bf16(xf[c] * r) * bf16_to_f32(w[c]));
         free(xf);
     }
+}
+
+/* Stable top-k of n values: the k largest, ties to the lower index (torch's stable descending sort, cut at k). */
+static void stable_topk(const float *v, int64_t n, int64_t k, int64_t *idx, unsigned char *taken) {
+    memset(taken, 0, (size_t)n);
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++)
+            if (!taken[e] && (best < 0 || v[e] > v[best])) best = e;
+        taken[best] = 1;
+        idx[j] = best;
+    }
+}
+
+/* The MoE router of model.md §10 for T bf16 rows x (row stride ldx): fp32 logits against the fp32 weight
+ * w [E, D], scores sigmoid (softmax != 0: softmax), choice = scores + bias; with ngroups > 1 only the topk_group
+ * groups of highest top-2 choice sum stay eligible; the k experts of highest choice (ties to the lower id), their
+ * scores renormalised to sum 1 (renorm != 0, + 1e-20) and times scale. experts int64 [T, k], weights fp32 [T, k].
+ * Twin: layers/moe.py Router (fp32 logits summed in another order: equal to fp32 rounding). Returns 0, or -1
+ * when k > E or the groups do not divide E. */
+int ds_router(const bf16 *x, int64_t T, int64_t D, int64_t ldx, const float *w, const float *bias, int64_t E,
+              int softmax, int64_t ngroups, int64_t topk_group, int64_t k, int renorm, float scale,
+              int64_t *experts, float *weights, int nthreads) {
+    int64_t G = ngroups > 1 ? ngroups : 1;
+    if (k > E || E % G != 0 || topk_group > G) return -1;
+#pragma omp parallel num_threads(nthreads) if (T * E * D >= (1 << 20))
+    {
+        float *xf = malloc(sizeof(float) * (size_t)D), *s = malloc(sizeof(float) * (size_t)(2 * E + G));
+        float *choice = s + E, *gscore = choice + E;
+        int64_t *gkeep = malloc(sizeof(int64_t) * (size_t)G);
+        unsigned char *taken = malloc((size_t)(E > G ? E : G));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t c = 0; c < D; c++) xf[c] = bf16_to_f32(x[t * ldx + c]);
+            float mx = -INFINITY, sum = 0.f;
+            for (int64_t e = 0; e < E; e++) {
+                s[e] = dotf(xf, w + e * D, D);
+                mx = s[e] > mx ? s[e] : mx;
+            }
+            for (int64_t e = 0; e < E; e++) {
+                s[e] = softmax ? expf(s[e] - mx) : 1.f / (1.f + expf(-s[e]));
+                sum += s[e];
+            }
+            for (int64_t e = 0; e < E; e++) {
+                if (softmax) s[e] /= sum;
+                choice[e] = s[e] + bias[e];
+            }
+            if (G > 1) {
+                int64_t n = E / G;
+                for (int64_t g = 0; g < G; g++) {
+                    float a = -INFINITY, b = -INFINITY; /* the two largest of the group */
+                    for (int64_t e = g * n; e < (g + 1) * n; e++) {
+                        if (choice[e] > a) {
+                            b = a;
+                            a = choice[e];
+                        } else if (choice[e] > b) {
+                            b = choice[e];
+                        }
+                    }
+                    gscore[g] = a + b;
+                }
+                stable_topk(gscore, G, topk_group, gkeep, taken);
+                memset(taken, 0, (size_t)G);
+                for (int64_t j = 0; j < topk_group; j++) taken[gkeep[j]] = 1;
+                for (int64_t e = 0; e < E; e++)
+                    if (!taken[e / n]) choice[e] = -INFINITY;
+            }
+            int64_t *idx = experts + t * k;
+            stable_topk(choice, E, k, idx, taken);
+            float wsum = 0.f;
+            for (int64_t j = 0; j < k; j++) wsum += s[idx[j]];
+            for (int64_t j = 0; j < k; j++)
+                weights[t * k + j] = (renorm ? s[idx[j]] / (wsum + 1e-20f) : s[idx[j]]) * scale;
+        }
+        free(xf);
+        free(s);
+        free(gkeep);
+        free(taken);
+    }
+    return 0;
 }

@@ -1,0 +1,198 @@
+"""Fused residual blocks at decode (native_src/blocks.c): `r + f(rmsnorm(x))` of a decoder layer as one native call
+(r = x = h in a plain pre-norm layer; K3's AttnRes layers pass the mixed x and the block's partial sum r, or none).
+
+At batch 1 a kimi-linear-small step spent about as long in the Python and torch glue between the native kernels
+(~10 calls and ~40 small ops a layer: norms, projections, gate math, views, the router's dozen ops, the residual
+adds) as in the kernels themselves. A fused block runs the same kernels in the same order from C, so its output
+equals the modules' bit for bit: the modules' forward is its twin (tests/test_fused_blocks.py).
+
+A block applies when every part it composes runs on the native kernels (`native` switched on, bf16, unquantised)
+and the step is small: KDA attention on a pure decode step of at most `LINEAR_MAX_ROWS` sequences over slotted
+state, a MoE or dense-MLP FFN over at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS` for K3's latent MoE, whose
+down and up projections are plain linears). Otherwise the calls
+return None and the layer runs its modules. Each layer keeps its blocks' descriptors (dimensions and the packed
+weights' addresses, int64; epsilons and scales, fp32) in a `Derived`, rebuilt when any weight they read changes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import ModelConfig
+from ..ops import native
+from .batch import StepBatch
+from .kda import KimiDeltaAttention
+from .mlp import MLP, situ_params
+from .moe import MoE
+from .native_path import LINEAR_MAX_ROWS, MLP_MAX_ROWS
+from .norm import RMSNorm
+from .prepack import Derived
+
+
+def _native(*modules: torch.nn.Module | None) -> bool:
+    return all(m is not None and getattr(m, "native", False) for m in modules)
+
+
+def _packed(linear: torch.nn.Module) -> torch.Tensor:
+    return linear._packed.get_native([linear.weight])
+
+
+def _takes(x: torch.Tensor, residual: torch.Tensor | None, max_rows: int) -> bool:
+    return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and 0 < x.shape[0] <= max_rows
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
+                                      and residual.is_contiguous())))
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class _Descriptor:
+    """Integer and float descriptor vectors of one block, and the tensors whose addresses they hold (kept alive)."""
+
+    def __init__(self, ints: list[int], floats: list[float], keep: list[torch.Tensor]):
+        self.ints = torch.tensor(ints, dtype=torch.int64)
+        self.floats = torch.tensor(floats, dtype=torch.float32)
+        self.keep = keep
+
+
+def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> _Descriptor:
+    """native_src/blocks.c KB_* / KBF_* order."""
+    c = attn.config
+    w_in = attn._inputs.get_native([m.weight for m in attn.input_linears()])
+    w_fb, w_o = _packed(attn.f_b_proj), _packed(attn.o_proj)
+    w_gb = None if c.kda_full_rank_gate else _packed(attn.g_b_proj)
+    dt_bias, a_log = attn.dt_bias.detach().float().contiguous(), attn.A_log.detach().float().contiguous()
+    conv_w, o_norm = attn._conv_weight(), attn.o_norm.weight.detach().float().contiguous()
+    n_in = sum(m.out_features for m in attn.input_linears())
+    keep = [t for t in (norm.weight, w_in, w_fb, w_gb, dt_bias, a_log, conv_w, o_norm, w_o) if t is not None]
+    ints = [c.hidden_size, attn.H, attn.K, attn.W, n_in, norm.weight.data_ptr(), w_in.data_ptr(), w_fb.data_ptr(),
+            0 if w_gb is None else w_gb.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), conv_w.data_ptr(),
+            o_norm.data_ptr(), w_o.data_ptr()]
+    lower = c.kda_gate_lower_bound
+    return _Descriptor(ints, [norm.eps, c.rms_norm_eps, math.nan if lower is None else lower, attn.K ** -0.5], keep)
+
+
+def _slot_pools(attn: KimiDeltaAttention, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's conv and recurrent slot pools when they are in the layout the block reads."""
+    pool = batch.cache.kda_slot_pool(attn.layer)
+    if pool is None:
+        return None
+    conv, rec = pool
+    P, W, K = attn.P, attn.W, attn.K
+    if (conv.dtype != torch.float32 or rec.dtype != torch.float32 or conv.device.type != "cpu"
+            or conv.stride()[1:] != (P * (W - 1), W - 1, 1) or rec.stride()[1:] != (K * K, K, 1)):
+        return None
+    return conv, rec
+
+
+def attention_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
+                    residual: torch.Tensor | None) -> torch.Tensor | None:
+    """`residual + self_attn(input_layernorm(x))` (no residual: the attention output) of a KDA layer in one call on
+    a pure decode step, states updated in their slots; None when the block does not apply."""
+    attn, norm = layer.self_attn, layer.input_layernorm
+    if not (isinstance(attn, KimiDeltaAttention) and _takes(x, residual, LINEAR_MAX_ROWS) and _native(attn, norm)):
+        return None
+    slots = batch.decode_slots
+    linears = [*attn.input_linears(), attn.f_b_proj, attn.o_proj]
+    if not attn.config.kda_full_rank_gate:
+        linears.append(attn.g_b_proj)
+    if slots is None or slots.numel() != x.shape[0] or not _native(*linears):
+        return None
+    pools = _slot_pools(attn, batch)
+    if pools is None:
+        return None
+    sources = [norm.weight, attn.dt_bias, attn.A_log, attn.o_norm.weight, *(m.weight for m in linears),
+               *(conv.weight for conv in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d))]
+    desc = layer.fused_descriptors.attention.get(sources, lambda: _kda_descriptor(attn, norm))
+    conv, rec = pools
+    out = torch.empty_like(x)
+    native.native_library().ds_kda_block(desc.ints.data_ptr(), desc.floats.data_ptr(), x.data_ptr(),
+                                         _address(residual), x.shape[0], slots.data_ptr(), conv.data_ptr(), conv.stride(0), rec.data_ptr(),
+                                         rec.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _ffn_parts(ffn: torch.nn.Module) -> tuple[MoE | None, MLP | None] | None:
+    """(the routed MoE or None, the shared or dense MLP or None) when every part runs on the native kernels."""
+    if isinstance(ffn, MLP):
+        moe, mlp = None, ffn
+    elif isinstance(ffn, MoE) and _native(ffn.gate, ffn.experts, *_latent_parts(ffn)):
+        moe, mlp = ffn, ffn.shared_experts
+    else:
+        return None
+    if mlp is not None and not _native(mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        return None
+    return moe, mlp
+
+
+def _latent_parts(moe: MoE) -> list[torch.nn.Module]:
+    """K3's latent projections (and norm, when there is one) around the experts; none for a plain MoE."""
+    if not moe.latent:
+        return []
+    parts = [moe.routed_expert_down_proj, moe.routed_expert_up_proj]
+    return parts + ([moe.routed_expert_norm] if moe.routed_expert_norm is not None else [])
+
+
+def _ffn_descriptor(c: ModelConfig, norm: RMSNorm, moe: MoE | None, mlp: MLP | None) -> _Descriptor:
+    """native_src/blocks.c MB_* / MBF_* order."""
+    keep: list[torch.Tensor] = [norm.weight]
+    routed = [0] * 9 + [0, 0, 0]  # E, I, k, router w, bias, softmax, groups, topk_group, renorm, w1, w3, w2
+    if moe is not None:
+        router_w, bias = moe.gate._weight_f32(), moe.gate._bias_f32()
+        stacks = moe.experts._native_weights()
+        keep += [router_w, bias, *stacks]
+        routed = [c.num_experts, moe.experts.w1.shape[1], c.num_experts_per_token, router_w.data_ptr(),
+                  bias.data_ptr(), int(c.router_activation != "sigmoid"), c.num_expert_group, c.topk_group,
+                  int(c.moe_renormalize), *(w.data_ptr() for w in stacks)]
+    shared = [0, 0, 0, 0]
+    if mlp is not None:
+        packs = [_packed(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+        keep += packs
+        shared = [mlp.gate_proj.out_features, *(p.data_ptr() for p in packs)]
+    latent, latent_eps = [0, 0, 0, 0], 0.0
+    if moe is not None and moe.latent:
+        down, up, latent_norm = _packed(moe.routed_expert_down_proj), _packed(moe.routed_expert_up_proj), None
+        if moe.routed_expert_norm is not None:
+            latent_norm, latent_eps = moe.routed_expert_norm.weight, moe.routed_expert_norm.eps
+        keep += [t for t in (down, up, latent_norm) if t is not None]
+        latent = [moe.latent, down.data_ptr(), _address(latent_norm), up.data_ptr()]
+    situ = situ_params(c)
+    ints = [c.hidden_size, norm.weight.data_ptr(), *routed, *shared, int(situ is not None), *latent]
+    floats = [norm.eps, c.routed_scaling_factor, situ[0] if situ else 0.0,
+              math.nan if situ is None or situ[1] is None else situ[1], latent_eps]
+    return _Descriptor(ints, floats, keep)
+
+
+def ffn_block(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+    """`residual + ffn(post_attention_layernorm(x))` (no residual: the FFN output) in one call for a few rows; None
+    when the block does not apply."""
+    ffn, norm = layer.ffn, layer.post_attention_layernorm
+    parts = _ffn_parts(ffn)
+    if parts is None or not _native(norm):
+        return None
+    moe, mlp = parts
+    if not _takes(x, residual, LINEAR_MAX_ROWS if moe is not None and moe.latent else MLP_MAX_ROWS):
+        return None
+    sources = [norm.weight]
+    if moe is not None:
+        sources += [moe.gate.weight, moe.gate.e_score_correction_bias, moe.experts.w1, moe.experts.w3,
+                    moe.experts.w2, *(m.weight for m in _latent_parts(moe))]
+    if mlp is not None:
+        sources += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    desc = layer.fused_descriptors.ffn.get(sources, lambda: _ffn_descriptor(layer.config, norm, moe, mlp))
+    out = torch.empty_like(x)
+    if native.native_library().ds_moe_block(desc.ints.data_ptr(), desc.floats.data_ptr(), x.data_ptr(),
+                                            _address(residual), x.shape[0], out.data_ptr(), torch.get_num_threads()):
+        raise ValueError("fused FFN block: the router's expert and group counts are not valid")
+    return out
+
+
+class BlockDescriptors:
+    """A decoder layer's cached block descriptors (one `Derived` per sub-block)."""
+
+    def __init__(self):
+        self.attention = Derived()
+        self.ffn = Derived()

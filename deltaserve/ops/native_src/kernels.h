@@ -1,0 +1,27 @@
+/* The library's entry points (called through ctypes by ops/native.py and ops/kda_native.py, and composed by
+ * blocks.c); each is documented where it is defined. */
+#ifndef DELTASERVE_NATIVE_KERNELS_H
+#define DELTASERVE_NATIVE_KERNELS_H
+#include "common.h"
+
+void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const int64_t *desc, int nthreads);
+int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
+                const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind,
+                float beta, float lin_beta, bf16 *h, bf16 *out, int nthreads);
+void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf16 *w, float eps, bf16 *out,
+                     int nthreads);
+void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
+                 const float *conv_w, int64_t W, float *conv, int64_t conv_slot_stride, const float *g,
+                 const float *beta, float scale, float *rec, int64_t rec_slot_stride, const int64_t *slots,
+                 float *out, int nthreads);
+void ds_gated_rmsnorm_bf16(const float *core, int64_t R, int64_t K, const bf16 *gate, int64_t ldg, const float *w,
+                           float eps, bf16 *out, int nthreads);
+void ds_kda_gate(const bf16 *u, int64_t ldu, const bf16 *b, int64_t ldb, int64_t T, int64_t H, int64_t K,
+                 const float *dt_bias, const float *A_log, float lower_bound, float *g, float *beta, int nthreads);
+int ds_router(const bf16 *x, int64_t T, int64_t D, int64_t ldx, const float *w, const float *bias, int64_t E,
+              int softmax, int64_t ngroups, int64_t topk_group, int64_t k, int renorm, float scale,
+              int64_t *experts, float *weights, int nthreads);
+void ds_attn_res_mix(const int64_t *src, int64_t S, int64_t N, int64_t D, const bf16 *norm_w, const bf16 *query,
+                     float eps, bf16 *out, int nthreads);
+
+#endif

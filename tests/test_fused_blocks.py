@@ -1,0 +1,161 @@
+"""Fused residual blocks (layers/fused_blocks.py, native_src/blocks.c) against the modules they fuse, bit for bit,
+over several decode steps of every layer of the tiny presets; the native router and KDA gate against their torch
+twins; and an engine decode that goes through the blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.cache.page_pool import PagePool
+from deltaserve.cache.paged_cache import PagedCache, SeqHandle
+from deltaserve.cache.state_slots import StateSlots
+from deltaserve.layers.batch import StepBatch
+from deltaserve.layers.fused_blocks import attention_block, ffn_block
+from deltaserve.layers.kda import KimiDeltaAttention
+from deltaserve.layers.moe import MoE, Router
+from deltaserve.layers.native_path import enable_native_kernels
+from deltaserve.models import base
+from deltaserve.models.loader import load_config, load_model
+from deltaserve.ops import native
+from deltaserve.ops.kda_native import kda_gate_beta, kda_gate_beta_ref
+from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
+
+pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
+
+
+def _native_model(path):
+    model = load_model(path, dtype="bfloat16")
+    assert enable_native_kernels(model) > 0
+    return model
+
+
+def _decode_batch(model, states: StateSlots, slots: list[int], position: int) -> StepBatch:
+    N = len(slots)
+    cache = PagedCache(PagePool(model.config, 1, 16, torch.bfloat16), states)
+    handles = [SeqHandle(s, torch.arange(position + 1)) for s in slots]
+    return StepBatch(torch.full((N,), position), list(range(N + 1)), [position] * N, cache, handles)
+
+
+def _with_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return out if residual is None else residual + out
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "deepseek-v32-tiny"])
+@pytest.mark.parametrize("slots", [[2], [0, 3, 1], [4, 1, 2, 0]])
+def test_blocks_equal_the_modules_bit_for_bit(make_checkpoint, preset, slots):
+    """Each layer's blocks against its modules on the same input and states, three steps running (conv windows
+    and recurrent states carried; the states after each step must agree too), with the three residual forms: the
+    input itself (plain layers), another tensor and none (K3's AttnRes layers)."""
+    model = _native_model(make_checkpoint(preset))
+    g = torch.Generator().manual_seed(len(slots))
+    fused_states, module_states = StateSlots(model.config, 5), StateSlots(model.config, 5)
+    for pool in ("conv", "recurrent"):
+        init = torch.randn(getattr(fused_states, pool).shape, generator=g) * 0.1
+        getattr(fused_states, pool).copy_(init)
+        getattr(module_states, pool).copy_(init)
+    fused_attention = fused_ffn = 0
+    with torch.inference_mode():
+        for step in range(3):
+            fused_batch = _decode_batch(model, fused_states, slots, 4 + step)
+            module_batch = _decode_batch(model, module_states, slots, 4 + step)
+            for layer in model.layers:
+                x = torch.randn(len(slots), model.config.hidden_size, generator=g).to(torch.bfloat16)
+                residual = [x, torch.randn(x.shape, generator=g).to(torch.bfloat16), None][step]
+                got = attention_block(layer, x, fused_batch, residual)
+                if isinstance(layer.self_attn, KimiDeltaAttention):
+                    want = _with_residual(layer.self_attn(layer.input_layernorm(x), module_batch), residual)
+                    assert got is not None and torch.equal(got, want), f"layer {layer.layer} attention"
+                    fused_attention += 1
+                else:
+                    assert got is None  # MLA layers run their modules
+                got = ffn_block(layer, x, residual)
+                assert got is not None, f"layer {layer.layer} FFN"
+                want = _with_residual(layer.ffn(layer.post_attention_layernorm(x)), residual)
+                assert torch.equal(got, want), f"layer {layer.layer} FFN"
+                fused_ffn += 1
+            assert torch.equal(fused_states.conv, module_states.conv)
+            assert torch.equal(fused_states.recurrent, module_states.recurrent)
+    assert fused_attention == 3 * len(model.config.kda_layers)
+    assert fused_ffn == 3 * len(model.layers)
+
+
+def test_blocks_step_aside_where_they_do_not_apply(make_checkpoint):
+    model = _native_model(make_checkpoint("kimi-linear-tiny"))
+    layer = next(l for l in model.layers if isinstance(l.self_attn, KimiDeltaAttention) and isinstance(l.ffn, MoE))
+    states = StateSlots(model.config, 8)
+    d = model.config.hidden_size
+    h = torch.randn(5, d).to(torch.bfloat16)
+    assert attention_block(layer, h, _decode_batch(model, states, [0, 1, 2, 3, 4], 3), h) is None  # > 4 rows
+    big = torch.randn(9, d).to(torch.bfloat16)
+    assert ffn_block(layer, big, big) is None  # > MLP_MAX_ROWS rows
+    assert ffn_block(layer, h.float(), None) is None
+    assert ffn_block(layer, h, h[:2]) is None  # a residual of another shape
+    chunk = StepBatch.single(2, 3, PagedCache(PagePool(model.config, 1, 16, torch.bfloat16), states),
+                             SeqHandle(0, torch.arange(5)))
+    assert chunk.decode_slots is None  # a prefill chunk is not a decode step
+    assert attention_block(layer, h[:2], chunk, None) is None
+    layer.ffn.experts.native = False
+    assert ffn_block(layer, h[:1], None) is None
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_kda_gate_beta_matches_its_reference(lower_bound):
+    g = torch.Generator().manual_seed(3)
+    T, H, K = 5, 3, 16
+    u = (torch.randn(T, H * K, generator=g) * 8).to(torch.bfloat16)  # some u + dt_bias above softplus' 20
+    b = torch.randn(T, 4 * H, generator=g).to(torch.bfloat16)[:, :H]  # a column slice, as the layer's b is
+    dt_bias, a_log = torch.randn(H * K, generator=g) * 10, torch.randn(H, generator=g)
+    got, want = (f(u, b, dt_bias, a_log, lower_bound) for f in (kda_gate_beta, kda_gate_beta_ref))
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "deepseek-v32-tiny", "k31-tiny"])
+def test_native_router_matches_the_torch_router(make_checkpoint, preset):
+    """Same experts in the same order and the same weights to fp32 rounding (sigmoid; groups for DeepSeek)."""
+    config = load_config(make_checkpoint(preset))
+    router = Router(config).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(config.num_experts, generator=g) * 0.1)
+    x = torch.randn(37, config.hidden_size, generator=g).to(torch.bfloat16)
+    want = router(x)
+    assert enable_native_kernels(router) == 1
+    got = router(x)
+    assert torch.equal(got.experts, want.experts)
+    torch.testing.assert_close(got.weights, want.weights, rtol=1e-5, atol=1e-6)
+
+
+def test_native_router_rejects_an_impossible_top_k():
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="top-5 of 4 experts"):
+        native.router_bf16(x, torch.randn(4, 8), torch.zeros(4), 5, False, 1, 1, True, 1.0)
+
+
+def test_engine_decode_runs_through_the_blocks(make_checkpoint, monkeypatch):
+    """A bf16 engine's decode steps take the fused blocks, and its greedy tokens are those of the modules."""
+    path = make_checkpoint("kimi-linear-tiny")
+    taken = []
+
+    def counted(block):
+        def run(*args):
+            out = block(*args)
+            taken.append(out is not None)
+            return out
+        return run
+
+    monkeypatch.setattr(base, "attention_block", counted(attention_block))
+    monkeypatch.setattr(base, "ffn_block", counted(ffn_block))
+    prompts = random_prompts([9, 30, 17], seed=5, high=700)
+    runs = []
+    for fuse in (True, False):
+        llm = make_llm(path, dtype="bfloat16")
+        for layer in llm.engine.model.layers:
+            layer.fuse_blocks = fuse
+        outs = llm.generate(prompts, greedy(8), use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        assert_pools_free(llm.engine)
+    assert runs[0] == runs[1]
+    assert sum(taken) > 0.5 * len(taken)
