@@ -30,11 +30,25 @@ def _native_model(path):
     return model
 
 
-def _decode_batch(model, states: StateSlots, slots: list[int], position: int) -> StepBatch:
+def _caches(model, seed: int) -> list[PagedCache]:
+    """Two caches with the same random KDA states and latent pages (room for 4 sequences of 16 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    caches = [PagedCache(PagePool(model.config, 4, 16, torch.bfloat16), StateSlots(model.config, 5)) for _ in "ab"]
+    pools = [(c.states.conv, c.states.recurrent, *(c.pages.latent_rows(l) for l in c.pages.latent)) for c in caches]
+    for first, second in zip(*pools):
+        init = (torch.randn(first.shape, generator=g) * 0.1).to(first.dtype)
+        first.copy_(init)
+        second.copy_(init)
+    return caches
+
+
+def _decode_batch(cache: PagedCache, slots: list[int], position: int) -> StepBatch:
+    """Sequence i (state slot slots[i]) owns page i and decodes its token at `position`."""
     N = len(slots)
-    cache = PagedCache(PagePool(model.config, 1, 16, torch.bfloat16), states)
-    handles = [SeqHandle(s, torch.arange(position + 1)) for s in slots]
-    return StepBatch(torch.full((N,), position), list(range(N + 1)), [position] * N, cache, handles)
+    handles = [SeqHandle(s, torch.arange(16 * i, 16 * i + position + 1)) for i, s in enumerate(slots)]
+    write_rows = torch.tensor([16 * i + position for i in range(N)])
+    return StepBatch(torch.full((N,), position), list(range(N + 1)), [position] * N, cache, handles,
+                     write_rows=write_rows)
 
 
 def _with_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -49,51 +63,50 @@ def test_blocks_equal_the_modules_bit_for_bit(make_checkpoint, preset, slots):
     input itself (plain layers), another tensor and none (K3's AttnRes layers)."""
     model = _native_model(make_checkpoint(preset))
     g = torch.Generator().manual_seed(len(slots))
-    fused_states, module_states = StateSlots(model.config, 5), StateSlots(model.config, 5)
-    for pool in ("conv", "recurrent"):
-        init = torch.randn(getattr(fused_states, pool).shape, generator=g) * 0.1
-        getattr(fused_states, pool).copy_(init)
-        getattr(module_states, pool).copy_(init)
+    fused_cache, module_cache = _caches(model, len(slots))
     fused_attention = fused_ffn = 0
     with torch.inference_mode():
         for step in range(3):
-            fused_batch = _decode_batch(model, fused_states, slots, 4 + step)
-            module_batch = _decode_batch(model, module_states, slots, 4 + step)
+            fused_batch = _decode_batch(fused_cache, slots, 4 + step)
+            module_batch = _decode_batch(module_cache, slots, 4 + step)
             for layer in model.layers:
                 x = torch.randn(len(slots), model.config.hidden_size, generator=g).to(torch.bfloat16)
                 residual = [x, torch.randn(x.shape, generator=g).to(torch.bfloat16), None][step]
                 got = attention_block(layer, x, fused_batch, residual)
-                if isinstance(layer.self_attn, KimiDeltaAttention):
+                if isinstance(layer.self_attn, KimiDeltaAttention) or layer.self_attn.indexer is None:
                     want = _with_residual(layer.self_attn(layer.input_layernorm(x), module_batch), residual)
                     assert got is not None and torch.equal(got, want), f"layer {layer.layer} attention"
                     fused_attention += 1
                 else:
-                    assert got is None  # MLA layers run their modules
+                    assert got is None  # DSA layers run their modules
                 got = ffn_block(layer, x, residual)
                 assert got is not None, f"layer {layer.layer} FFN"
                 want = _with_residual(layer.ffn(layer.post_attention_layernorm(x)), residual)
                 assert torch.equal(got, want), f"layer {layer.layer} FFN"
                 fused_ffn += 1
-            assert torch.equal(fused_states.conv, module_states.conv)
-            assert torch.equal(fused_states.recurrent, module_states.recurrent)
-    assert fused_attention == 3 * len(model.config.kda_layers)
+            assert torch.equal(fused_cache.states.conv, module_cache.states.conv)
+            assert torch.equal(fused_cache.states.recurrent, module_cache.states.recurrent)
+            for l in fused_cache.pages.latent:
+                assert torch.equal(fused_cache.pages.latent_rows(l), module_cache.pages.latent_rows(l))
+    dense_mla = sum(1 for l in model.layers if not isinstance(l.self_attn, KimiDeltaAttention)
+                    and l.self_attn.indexer is None)
+    assert fused_attention == 3 * (len(model.config.kda_layers) + dense_mla)
     assert fused_ffn == 3 * len(model.layers)
 
 
 def test_blocks_step_aside_where_they_do_not_apply(make_checkpoint):
     model = _native_model(make_checkpoint("kimi-linear-tiny"))
     layer = next(l for l in model.layers if isinstance(l.self_attn, KimiDeltaAttention) and isinstance(l.ffn, MoE))
-    states = StateSlots(model.config, 8)
+    cache = PagedCache(PagePool(model.config, 8, 16, torch.bfloat16), StateSlots(model.config, 8))
     d = model.config.hidden_size
     h = torch.randn(5, d).to(torch.bfloat16)
-    assert attention_block(layer, h, _decode_batch(model, states, [0, 1, 2, 3, 4], 3), h) is None  # > 4 rows
+    assert attention_block(layer, h, _decode_batch(cache, [0, 1, 2, 3, 4], 3), h) is None  # > 4 rows
     big = torch.randn(9, d).to(torch.bfloat16)
     assert ffn_block(layer, big, big) is None  # > MLP_MAX_ROWS rows
     assert ffn_block(layer, h.float(), None) is None
     assert ffn_block(layer, h, h[:2]) is None  # a residual of another shape
-    chunk = StepBatch.single(2, 3, PagedCache(PagePool(model.config, 1, 16, torch.bfloat16), states),
-                             SeqHandle(0, torch.arange(5)))
-    assert chunk.decode_slots is None  # a prefill chunk is not a decode step
+    chunk = StepBatch.single(2, 3, cache, SeqHandle(0, torch.arange(5)))
+    assert chunk.decode_slots is None and chunk.decode_context_rows is None  # a prefill chunk is not a decode step
     assert attention_block(layer, h[:2], chunk, None) is None
     layer.ffn.experts.native = False
     assert ffn_block(layer, h[:1], None) is None

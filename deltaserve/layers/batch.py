@@ -85,6 +85,23 @@ class StepBatch:
         slots = [getattr(h, "slot", None) for h in self.handles]
         return None if None in slots else torch.tensor(slots, dtype=torch.int64)
 
+    @cached_property
+    def decode_context_rows(self) -> torch.Tensor | None:
+        """[B, max context + 1] int64 flat cache rows of every sequence's positions up to this step's token, -1
+        padded, when this step is pure decode over a paged cache (handles with `rows`); else None. Built once per
+        step, read by every dense MLA layer's fused block (layers/fused_blocks.py)."""
+        B = self.num_seqs
+        if self.cache is None or len(self.handles) != B or self.query_start != list(range(B + 1)):
+            return None
+        rows = [getattr(h, "rows", None) for h in self.handles]
+        if any(r is None for r in rows):
+            return None
+        lengths = [c + 1 for c in self.context_lens]
+        out = torch.full((B, max(lengths)), -1, dtype=torch.int64)
+        for i, (r, n) in enumerate(zip(rows, lengths)):
+            out[i, :n] = r[:n]
+        return out
+
     def rows(self, i: int) -> slice:
         return slice(self.query_start[i], self.query_start[i + 1])
 

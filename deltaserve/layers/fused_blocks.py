@@ -7,8 +7,8 @@ adds) as in the kernels themselves. A fused block runs the same kernels in the s
 equals the modules' bit for bit: the modules' forward is its twin (tests/test_fused_blocks.py).
 
 A block applies when every part it composes runs on the native kernels (`native` switched on, bf16, unquantised)
-and the step is small: KDA attention on a pure decode step of at most `LINEAR_MAX_ROWS` sequences over slotted
-state, a MoE or dense-MLP FFN over at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS` for K3's latent MoE, whose
+and the step is small: KDA attention, or Kimi's dense NoPE MLA over paged bf16/fp32 latents, on a pure decode step
+of at most `LINEAR_MAX_ROWS` sequences, a MoE or dense-MLP FFN over at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS` for K3's latent MoE, whose
 down and up projections are plain linears). Otherwise the calls
 return None and the layer runs its modules. Each layer keeps its blocks' descriptors (dimensions and the packed
 weights' addresses, int64; epsilons and scales, fp32) in a `Derived`, rebuilt when any weight they read changes.
@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from ..ops import native
 from .batch import StepBatch
 from .kda import KimiDeltaAttention
+from .mla import MLAttention
 from .mlp import MLP, situ_params
 from .moe import MoE
 from .native_path import LINEAR_MAX_ROWS, MLP_MAX_ROWS
@@ -90,10 +91,15 @@ def _slot_pools(attn: KimiDeltaAttention, batch: StepBatch) -> tuple[torch.Tenso
 
 def attention_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
                     residual: torch.Tensor | None) -> torch.Tensor | None:
-    """`residual + self_attn(input_layernorm(x))` (no residual: the attention output) of a KDA layer in one call on
-    a pure decode step, states updated in their slots; None when the block does not apply."""
+    """`residual + self_attn(input_layernorm(x))` (no residual: the attention output) in one call on a pure decode
+    step: a KDA layer (states updated in their slots) or a dense NoPE MLA layer (the step's cache rows written);
+    None when the block does not apply."""
     attn, norm = layer.self_attn, layer.input_layernorm
-    if not (isinstance(attn, KimiDeltaAttention) and _takes(x, residual, LINEAR_MAX_ROWS) and _native(attn, norm)):
+    if not (_takes(x, residual, LINEAR_MAX_ROWS) and _native(attn, norm)):
+        return None
+    if isinstance(attn, MLAttention):
+        return _mla_block(layer, x, batch, residual)
+    if not isinstance(attn, KimiDeltaAttention):
         return None
     slots = batch.decode_slots
     linears = [*attn.input_linears(), attn.f_b_proj, attn.o_proj]
@@ -112,6 +118,52 @@ def attention_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
     native.native_library().ds_kda_block(desc.ints.data_ptr(), desc.floats.data_ptr(), x.data_ptr(),
                                          _address(residual), x.shape[0], slots.data_ptr(), conv.data_ptr(), conv.stride(0), rec.data_ptr(),
                                          rec.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _mla_linears(attn: MLAttention) -> list[torch.nn.Module] | None:
+    """q_proj, kv_a_proj, kv_a_layernorm, kv_b_proj and o_proj of the MLA form the block computes (Kimi's: no
+    query LoRA, no RoPE, no output gate, no indexer), else None."""
+    c = attn.config
+    if attn.indexer is not None or attn.rotary is not None or c.q_lora_rank is not None or c.mla_use_output_gate:
+        return None
+    return [attn.q_proj, attn.kv_a_proj_with_mqa, attn.kv_a_layernorm, attn.kv_b_proj, attn.o_proj]
+
+
+def _mla_descriptor(attn: MLAttention, norm: RMSNorm) -> _Descriptor:
+    """native_src/blocks.c AB_* / ABF_* order."""
+    w_q, w_kva, w_o = _packed(attn.q_proj), _packed(attn.kv_a_proj_with_mqa), _packed(attn.o_proj)
+    w_uk, w_uv = attn._kv_b_native()
+    kva_norm = attn.kv_a_layernorm
+    keep = [norm.weight, w_q, w_kva, kva_norm.weight, w_uk, w_uv, w_o]
+    ints = [attn.config.hidden_size, attn.H, attn.n, attn.rho, attn.v, attn.r, norm.weight.data_ptr(),
+            w_q.data_ptr(), w_kva.data_ptr(), kva_norm.weight.data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(),
+            w_o.data_ptr()]
+    return _Descriptor(ints, [norm.eps, kva_norm.eps, attn.scale], keep)
+
+
+def _mla_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
+               residual: torch.Tensor | None) -> torch.Tensor | None:
+    attn, norm = layer.self_attn, layer.input_layernorm
+    parts = _mla_linears(attn)
+    context_rows = batch.decode_context_rows
+    if parts is None or not _native(*parts) or context_rows is None or batch.write_rows is None:
+        return None
+    pages = batch.cache.mla_pages(attn.layer)
+    latent = pages[0] if pages is not None else None
+    if not (isinstance(latent, torch.Tensor) and latent.dtype in (torch.bfloat16, torch.float32)
+            and latent.device.type == "cpu" and latent.stride(-1) == 1 and latent.shape[-1] == attn.r + attn.rho):
+        return None
+    desc = layer.fused_descriptors.attention.get([norm.weight, *(m.weight for m in parts)],
+                                                 lambda: _mla_descriptor(attn, norm))
+    write_rows = batch.write_rows.to(torch.int64).contiguous()
+    out = torch.empty_like(x)
+    if native.native_library().ds_mla_block(desc.ints.data_ptr(), desc.floats.data_ptr(), x.data_ptr(),
+                                            _address(residual), x.shape[0], context_rows.data_ptr(),
+                                            context_rows.shape[1], write_rows.data_ptr(), latent.data_ptr(),
+                                            latent.stride(0), latent.shape[0], latent.dtype == torch.bfloat16,
+                                            out.data_ptr(), torch.get_num_threads()):
+        raise IndexError(f"fused MLA block: a cache row lies outside the {latent.shape[0]} page rows")
     return out
 
 

@@ -127,3 +127,75 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     free(weights);
     return bad;
 }
+
+enum { AB_D, AB_H, AB_N, AB_RHO, AB_V, AB_R, AB_NORM_W, AB_W_Q, AB_W_KVA, AB_KVA_NORM_W, AB_W_UK, AB_W_UV, AB_W_O,
+       AB_LEN };
+enum { ABF_EPS, ABF_KVA_EPS, ABF_SCALE, ABF_LEN };
+
+/* out = r + MLA(rmsnorm(x)) for N decode tokens of Kimi's dense NoPE MLA (layers/mla.py: q_proj, kv_a_proj and
+ * its norm, the cache row [c | k_pe] written at write_rows[i] (< 0: not written), the query absorbed per head by
+ * W_UK, QSFA over the rows selected[i, :] (up to the first -1; every row of the sequence so far), W_UV per head,
+ * o_proj). pages [nrows, R + RHO] at row stride ld, bf16 (pages_bf16) or fp32. W_UK^T [H, R, N] and W_UV
+ * [H, V, R] packed per head. x, r (NULL: none) and out [N, D] bf16 contiguous. Returns 0, or -1 (nothing
+ * computed) when a selected or written row is not below nrows. */
+int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
+                 const int64_t *selected, int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld,
+                 int64_t nrows, int pages_bf16, bf16 *out, int nthreads) {
+    int64_t D = desc[AB_D], H = desc[AB_H], NOPE = desc[AB_N], RHO = desc[AB_RHO], V = desc[AB_V], R = desc[AB_R];
+    int64_t QW = H * (NOPE + RHO), CW = R + RHO;
+    for (int64_t i = 0; i < N; i++)
+        if (write_rows[i] >= nrows) return -1;
+    bf16 *x = malloc(sizeof(bf16) * (size_t)(N * (D + QW + CW + R + 2 * H * R + H * V + D)));
+    bf16 *q = x + N * D, *ckv = q + N * QW, *cn = ckv + N * CW, *qlat = cn + N * R, *olat = qlat + N * H * R;
+    bf16 *vals = olat + N * H * R, *a = vals + N * H * V;
+    float *qlat_f = malloc(sizeof(float) * (size_t)(N * H * (2 * R + RHO + 1))), *qpe_f = qlat_f + N * H * R;
+    float *olat_f = qpe_f + N * H * RHO, *lse = olat_f + N * H * R;
+    int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(7 * (H > 2 ? H : 2)));
+    int bad = 0;
+
+    ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[AB_NORM_W], fdesc[ABF_EPS], x, nthreads);
+    int64_t proj[14] = {desc[AB_W_Q], -1, QW, (int64_t)q, QW, (int64_t)x, D,
+                        desc[AB_W_KVA], -1, CW, (int64_t)ckv, CW, (int64_t)x, D};
+    ds_linear_bf16(N, D, 2, proj, nthreads);
+    ds_rmsnorm_bf16(ckv, N, R, CW, (const bf16 *)desc[AB_KVA_NORM_W], fdesc[ABF_KVA_EPS], cn, nthreads);
+    for (int64_t i = 0; i < N; i++) { /* the cache row [c | k_pe] into the pages */
+        if (write_rows[i] < 0) continue;
+        for (int64_t c = 0; c < CW; c++) {
+            bf16 v = c < R ? cn[i * R + c] : ckv[i * CW + c];
+            if (pages_bf16)
+                ((bf16 *)pages)[write_rows[i] * ld + c] = v;
+            else
+                ((float *)pages)[write_rows[i] * ld + c] = bf16_to_f32(v);
+        }
+    }
+    for (int64_t h = 0; h < H; h++) { /* q_lat[:, h] = q_nope[:, h] W_UK[h] */
+        int64_t *t = tasks + 7 * h;
+        t[0] = desc[AB_W_UK] + 2 * h * ((R + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(NOPE));
+        t[1] = -1, t[2] = R, t[3] = (int64_t)(qlat + h * R), t[4] = H * R;
+        t[5] = (int64_t)(q + h * (NOPE + RHO)), t[6] = QW;
+    }
+    ds_linear_bf16(N, NOPE, H, tasks, nthreads);
+    for (int64_t i = 0; i < N * H; i++) {
+        for (int64_t c = 0; c < R; c++) qlat_f[i * R + c] = bf16_to_f32(qlat[i * R + c]);
+        for (int64_t c = 0; c < RHO; c++) qpe_f[i * RHO + c] = bf16_to_f32(q[i * (NOPE + RHO) + NOPE + c]);
+    }
+    bad = ds_qsfa(N, H, R, RHO, qlat_f, qpe_f, pages, ld, nrows, pages_bf16, selected, nsel, fdesc[ABF_SCALE],
+                  olat_f, lse, nthreads);
+    if (!bad) {
+        for (int64_t i = 0; i < N * H * R; i++) olat[i] = f32_to_bf16(olat_f[i]);
+        for (int64_t h = 0; h < H; h++) { /* vals[:, h] = out_lat[:, h] W_UV[h]^T */
+            int64_t *t = tasks + 7 * h;
+            t[0] = desc[AB_W_UV] + 2 * h * ((V + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(R));
+            t[1] = -1, t[2] = V, t[3] = (int64_t)(vals + h * V), t[4] = H * V;
+            t[5] = (int64_t)(olat + h * R), t[6] = H * R;
+        }
+        ds_linear_bf16(N, R, H, tasks, nthreads);
+        int64_t o_task[7] = {desc[AB_W_O], -1, D, (int64_t)a, D, (int64_t)vals, H * V};
+        ds_linear_bf16(N, H * V, 1, o_task, nthreads);
+        residual_add(r, a, N * D, out);
+    }
+    free(x);
+    free(qlat_f);
+    free(tasks);
+    return bad;
+}

@@ -14,6 +14,9 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
                  const float *conv_w, int64_t W, float *conv, int64_t conv_slot_stride, const float *g,
                  const float *beta, float scale, float *rec, int64_t rec_slot_stride, const int64_t *slots,
                  float *out, int nthreads);
+int ds_qsfa(int64_t T, int64_t H, int64_t r, int64_t rho, const float *q_lat, const float *q_pe, const void *lat,
+            int64_t ld, int64_t nrows, int lat_bf16, const int64_t *selected, int64_t nsel, float scale, float *out,
+            float *lse, int nthreads);
 void ds_gated_rmsnorm_bf16(const float *core, int64_t R, int64_t K, const bf16 *gate, int64_t ldg, const float *w,
                            float eps, bf16 *out, int nthreads);
 void ds_kda_gate(const bf16 *u, int64_t ldu, const bf16 *b, int64_t ldb, int64_t T, int64_t H, int64_t K,
