@@ -8,10 +8,15 @@ equals the modules' bit for bit: the modules' forward is its twin (tests/test_fu
 
 A block applies when every part it composes runs on the native kernels (`native` switched on, bf16, unquantised)
 and the step is small: KDA attention, or Kimi's dense NoPE MLA over paged bf16/fp32 latents, on a pure decode step
-of at most `LINEAR_MAX_ROWS` sequences, a MoE or dense-MLP FFN over at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS` for K3's latent MoE, whose
-down and up projections are plain linears). Otherwise the calls
-return None and the layer runs its modules. Each layer keeps its blocks' descriptors (dimensions and the packed
-weights' addresses, int64; epsilons and scales, fp32) in a `Derived`, rebuilt when any weight they read changes.
+of at most `LINEAR_MAX_ROWS` sequences, a MoE or dense-MLP FFN over at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS`
+for K3's latent MoE, whose down and up projections are plain linears). Otherwise the calls return None and the
+layer runs its modules.
+
+Each layer keeps a `BlockPlans`: per block, gathered at its first decode step, the modules whose `native` switches
+it needs (read on every call), the weights it reads and its descriptor (dimensions and the packed weights'
+addresses, int64; epsilons and scales, fp32), rebuilt when any of those weights changes. Gathering once keeps the
+Python of a call to a few microseconds (walking the modules cost ~60 us a block at batch 1); it relies on the
+layer's structure (which modules, quantised or not) being fixed at load, as the engine does.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from .norm import RMSNorm
 from .prepack import Derived
 
 
-def _native(*modules: torch.nn.Module | None) -> bool:
-    return all(m is not None and getattr(m, "native", False) for m in modules)
+def _has_switches(*modules: torch.nn.Module | None) -> bool:
+    """Every module exists and has a native switch (quantised modules have none)."""
+    return all(m is not None and hasattr(m, "native") for m in modules)
 
 
 def _packed(linear: torch.nn.Module) -> torch.Tensor:
@@ -56,7 +62,27 @@ class _Descriptor:
     def __init__(self, ints: list[int], floats: list[float], keep: list[torch.Tensor]):
         self.ints = torch.tensor(ints, dtype=torch.int64)
         self.floats = torch.tensor(floats, dtype=torch.float32)
+        self.ints_address, self.floats_address = self.ints.data_ptr(), self.floats.data_ptr()
         self.keep = keep
+
+
+class _Plan:
+    """One block of one layer: `module` (the attention or FFN it fuses), the modules whose native switches must be
+    on, the weights the descriptor reads and its builder, `max_rows` it takes."""
+
+    def __init__(self, module: torch.nn.Module, switches: list[torch.nn.Module], sources: list[torch.Tensor],
+                 build, max_rows: int):
+        self.module, self.switches, self.sources, self.build, self.max_rows = module, switches, sources, build, max_rows
+        self._descriptor = Derived()
+
+    def descriptor(self, x: torch.Tensor, residual: torch.Tensor | None) -> _Descriptor | None:
+        """The descriptor when the block takes these inputs and every switch is on, else None."""
+        if not _takes(x, residual, self.max_rows):
+            return None
+        for m in self.switches:
+            if not m.native:
+                return None
+        return self._descriptor.get(self.sources, self.build)
 
 
 def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> _Descriptor:
@@ -89,35 +115,30 @@ def _slot_pools(attn: KimiDeltaAttention, batch: StepBatch) -> tuple[torch.Tenso
     return conv, rec
 
 
-def attention_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
-                    residual: torch.Tensor | None) -> torch.Tensor | None:
-    """`residual + self_attn(input_layernorm(x))` (no residual: the attention output) in one call on a pure decode
-    step: a KDA layer (states updated in their slots) or a dense NoPE MLA layer (the step's cache rows written);
-    None when the block does not apply."""
-    attn, norm = layer.self_attn, layer.input_layernorm
-    if not (_takes(x, residual, LINEAR_MAX_ROWS) and _native(attn, norm)):
-        return None
-    if isinstance(attn, MLAttention):
-        return _mla_block(layer, x, batch, residual)
-    if not isinstance(attn, KimiDeltaAttention):
-        return None
-    slots = batch.decode_slots
+def _kda_plan(attn: KimiDeltaAttention, norm: RMSNorm) -> _Plan | None:
     linears = [*attn.input_linears(), attn.f_b_proj, attn.o_proj]
     if not attn.config.kda_full_rank_gate:
         linears.append(attn.g_b_proj)
-    if slots is None or slots.numel() != x.shape[0] or not _native(*linears):
-        return None
-    pools = _slot_pools(attn, batch)
-    if pools is None:
+    if not _has_switches(attn, norm, *linears):
         return None
     sources = [norm.weight, attn.dt_bias, attn.A_log, attn.o_norm.weight, *(m.weight for m in linears),
                *(conv.weight for conv in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d))]
-    desc = layer.fused_descriptors.attention.get(sources, lambda: _kda_descriptor(attn, norm))
+    return _Plan(attn, [attn, norm, *linears], sources, lambda: _kda_descriptor(attn, norm), LINEAR_MAX_ROWS)
+
+
+def _run_kda(plan: _Plan, desc: _Descriptor, x: torch.Tensor, batch: StepBatch,
+             residual: torch.Tensor | None) -> torch.Tensor | None:
+    slots = batch.decode_slots
+    if slots is None or slots.numel() != x.shape[0]:
+        return None
+    pools = _slot_pools(plan.module, batch)
+    if pools is None:
+        return None
     conv, rec = pools
     out = torch.empty_like(x)
-    native.native_library().ds_kda_block(desc.ints.data_ptr(), desc.floats.data_ptr(), x.data_ptr(),
-                                         _address(residual), x.shape[0], slots.data_ptr(), conv.data_ptr(), conv.stride(0), rec.data_ptr(),
-                                         rec.stride(0), out.data_ptr(), torch.get_num_threads())
+    native.native_library().ds_kda_block(desc.ints_address, desc.floats_address, x.data_ptr(), _address(residual),
+                                         x.shape[0], slots.data_ptr(), conv.data_ptr(), conv.stride(0),
+                                         rec.data_ptr(), rec.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -142,23 +163,27 @@ def _mla_descriptor(attn: MLAttention, norm: RMSNorm) -> _Descriptor:
     return _Descriptor(ints, [norm.eps, kva_norm.eps, attn.scale], keep)
 
 
-def _mla_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
-               residual: torch.Tensor | None) -> torch.Tensor | None:
-    attn, norm = layer.self_attn, layer.input_layernorm
+def _mla_plan(attn: MLAttention, norm: RMSNorm) -> _Plan | None:
     parts = _mla_linears(attn)
-    context_rows = batch.decode_context_rows
-    if parts is None or not _native(*parts) or context_rows is None or batch.write_rows is None:
+    if parts is None or not _has_switches(attn, norm, *parts):
         return None
-    pages = batch.cache.mla_pages(attn.layer)
-    latent = pages[0] if pages is not None else None
+    return _Plan(attn, [attn, norm, *parts], [norm.weight, *(m.weight for m in parts)],
+                 lambda: _mla_descriptor(attn, norm), LINEAR_MAX_ROWS)
+
+
+def _run_mla(plan: _Plan, desc: _Descriptor, x: torch.Tensor, batch: StepBatch,
+             residual: torch.Tensor | None) -> torch.Tensor | None:
+    attn = plan.module
+    context_rows = batch.decode_context_rows
+    if context_rows is None or batch.write_rows is None:
+        return None
+    latent = batch.cache.mla_pages(attn.layer)[0]
     if not (isinstance(latent, torch.Tensor) and latent.dtype in (torch.bfloat16, torch.float32)
             and latent.device.type == "cpu" and latent.stride(-1) == 1 and latent.shape[-1] == attn.r + attn.rho):
         return None
-    desc = layer.fused_descriptors.attention.get([norm.weight, *(m.weight for m in parts)],
-                                                 lambda: _mla_descriptor(attn, norm))
     write_rows = batch.write_rows.to(torch.int64).contiguous()
     out = torch.empty_like(x)
-    if native.native_library().ds_mla_block(desc.ints.data_ptr(), desc.floats.data_ptr(), x.data_ptr(),
+    if native.native_library().ds_mla_block(desc.ints_address, desc.floats_address, x.data_ptr(),
                                             _address(residual), x.shape[0], context_rows.data_ptr(),
                                             context_rows.shape[1], write_rows.data_ptr(), latent.data_ptr(),
                                             latent.stride(0), latent.shape[0], latent.dtype == torch.bfloat16,
@@ -167,17 +192,39 @@ def _mla_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
     return out
 
 
-def _ffn_parts(ffn: torch.nn.Module) -> tuple[MoE | None, MLP | None] | None:
-    """(the routed MoE or None, the shared or dense MLP or None) when every part runs on the native kernels."""
-    if isinstance(ffn, MLP):
-        moe, mlp = None, ffn
-    elif isinstance(ffn, MoE) and _native(ffn.gate, ffn.experts, *_latent_parts(ffn)):
-        moe, mlp = ffn, ffn.shared_experts
-    else:
+def attention_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
+                    residual: torch.Tensor | None) -> torch.Tensor | None:
+    """`residual + self_attn(input_layernorm(x))` (no residual: the attention output) in one call on a pure decode
+    step: a KDA layer (states updated in their slots) or a dense NoPE MLA layer (the step's cache rows written);
+    None when the block does not apply."""
+    plan = layer.block_plans.attention(layer)
+    desc = plan.descriptor(x, residual) if plan is not None else None
+    if desc is None:
         return None
-    if mlp is not None and not _native(mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+    run = _run_kda if isinstance(plan.module, KimiDeltaAttention) else _run_mla
+    return run(plan, desc, x, batch, residual)
+
+
+def _ffn_plan(ffn: torch.nn.Module, norm: RMSNorm, config: ModelConfig) -> _Plan | None:
+    """The routed MoE (plain or latent) and/or the shared or dense MLP, when every part has its native switch."""
+    moe = ffn if isinstance(ffn, MoE) else None
+    mlp = ffn if isinstance(ffn, MLP) else ffn.shared_experts if moe is not None else None
+    if moe is None and mlp is None:
         return None
-    return moe, mlp
+    switches: list[torch.nn.Module] = [norm]
+    sources = [norm.weight]
+    if moe is not None:
+        latent = _latent_parts(moe)
+        switches += [moe.gate, moe.experts, *latent]
+        sources += [moe.gate.weight, moe.gate.e_score_correction_bias, moe.experts.w1, moe.experts.w3,
+                    moe.experts.w2, *(m.weight for m in latent)]
+    if mlp is not None:
+        switches += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        sources += [m.weight for m in switches[-3:]]
+    if not _has_switches(*switches):
+        return None
+    max_rows = LINEAR_MAX_ROWS if moe is not None and moe.latent else MLP_MAX_ROWS
+    return _Plan(ffn, switches, sources, lambda: _ffn_descriptor(config, norm, moe, mlp), max_rows)
 
 
 def _latent_parts(moe: MoE) -> list[torch.nn.Module]:
@@ -221,30 +268,34 @@ def _ffn_descriptor(c: ModelConfig, norm: RMSNorm, moe: MoE | None, mlp: MLP | N
 def ffn_block(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
     """`residual + ffn(post_attention_layernorm(x))` (no residual: the FFN output) in one call for a few rows; None
     when the block does not apply."""
-    ffn, norm = layer.ffn, layer.post_attention_layernorm
-    parts = _ffn_parts(ffn)
-    if parts is None or not _native(norm):
+    plan = layer.block_plans.ffn(layer)
+    desc = plan.descriptor(x, residual) if plan is not None else None
+    if desc is None:
         return None
-    moe, mlp = parts
-    if not _takes(x, residual, LINEAR_MAX_ROWS if moe is not None and moe.latent else MLP_MAX_ROWS):
-        return None
-    sources = [norm.weight]
-    if moe is not None:
-        sources += [moe.gate.weight, moe.gate.e_score_correction_bias, moe.experts.w1, moe.experts.w3,
-                    moe.experts.w2, *(m.weight for m in _latent_parts(moe))]
-    if mlp is not None:
-        sources += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
-    desc = layer.fused_descriptors.ffn.get(sources, lambda: _ffn_descriptor(layer.config, norm, moe, mlp))
     out = torch.empty_like(x)
-    if native.native_library().ds_moe_block(desc.ints.data_ptr(), desc.floats.data_ptr(), x.data_ptr(),
-                                            _address(residual), x.shape[0], out.data_ptr(), torch.get_num_threads()):
+    if native.native_library().ds_moe_block(desc.ints_address, desc.floats_address, x.data_ptr(), _address(residual),
+                                            x.shape[0], out.data_ptr(), torch.get_num_threads()):
         raise ValueError("fused FFN block: the router's expert and group counts are not valid")
     return out
 
 
-class BlockDescriptors:
-    """A decoder layer's cached block descriptors (one `Derived` per sub-block)."""
+_UNSET = object()
+
+
+class BlockPlans:
+    """A decoder layer's block plans, gathered at first use (None: the block never applies to the layer)."""
 
     def __init__(self):
-        self.attention = Derived()
-        self.ffn = Derived()
+        self._attention = self._ffn = _UNSET
+
+    def attention(self, layer: torch.nn.Module) -> _Plan | None:
+        if self._attention is _UNSET:
+            attn, norm = layer.self_attn, layer.input_layernorm
+            self._attention = (_kda_plan(attn, norm) if isinstance(attn, KimiDeltaAttention)
+                               else _mla_plan(attn, norm) if isinstance(attn, MLAttention) else None)
+        return self._attention
+
+    def ffn(self, layer: torch.nn.Module) -> _Plan | None:
+        if self._ffn is _UNSET:
+            self._ffn = _ffn_plan(layer.ffn, layer.post_attention_layernorm, layer.config)
+        return self._ffn

@@ -6,7 +6,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.batch import StepBatch
-from ..layers.fused_blocks import BlockDescriptors, attention_block, ffn_block
+from ..layers.fused_blocks import BlockPlans, attention_block, ffn_block
 from ..layers.kda import KimiDeltaAttention
 from ..layers.linear import Linear
 from ..layers.mla import MLAttention
@@ -40,7 +40,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.attn_res = attn_res and config.attn_res_block_size is not None
         self.fuse_blocks = True
-        self.fused_descriptors = BlockDescriptors()
+        self.block_plans = BlockPlans()
         if self.attn_res:
             self.self_attention_res = AttnResQuery(d, eps)
             self.mlp_res = AttnResQuery(d, eps)
