@@ -211,18 +211,17 @@ def _ffn_plan(ffn: torch.nn.Module, norm: RMSNorm, config: ModelConfig) -> _Plan
     mlp = ffn if isinstance(ffn, MLP) else ffn.shared_experts if moe is not None else None
     if moe is None and mlp is None:
         return None
-    switches: list[torch.nn.Module] = [norm]
+    latent = _latent_parts(moe) if moe is not None else []
+    switches = [norm, *([moe.gate, moe.experts, *latent] if moe is not None else []),
+                *([mlp.gate_proj, mlp.up_proj, mlp.down_proj] if mlp is not None else [])]
+    if not _has_switches(*switches):  # a quantised part (no switch) keeps the modules
+        return None
     sources = [norm.weight]
     if moe is not None:
-        latent = _latent_parts(moe)
-        switches += [moe.gate, moe.experts, *latent]
         sources += [moe.gate.weight, moe.gate.e_score_correction_bias, moe.experts.w1, moe.experts.w3,
                     moe.experts.w2, *(m.weight for m in latent)]
     if mlp is not None:
-        switches += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        sources += [m.weight for m in switches[-3:]]
-    if not _has_switches(*switches):
-        return None
+        sources += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
     max_rows = LINEAR_MAX_ROWS if moe is not None and moe.latent else MLP_MAX_ROWS
     return _Plan(ffn, switches, sources, lambda: _ffn_descriptor(config, norm, moe, mlp), max_rows)
 
