@@ -146,7 +146,9 @@ class EngineCore:
                 self.prefix.commit([c.request for c in plan.chunks])
             rows, reqs = self._fork_siblings(fwd.sampled)
         with timer.phase("sample"):
-            sample = self.sampler.sample(fwd.logits[rows], [r.sampling for r in reqs])
+            # without forked siblings the rows are the logits' own order: no gathered copy ([32, vocab] fp32: ~2 ms)
+            logits = fwd.logits if rows == list(range(fwd.logits.shape[0])) else fwd.logits[rows]
+            sample = self.sampler.sample(logits, [r.sampling for r in reqs])
         with timer.phase("update"):
             outputs = [self._append_token(r, t, lp) for r, t, lp in zip(reqs, sample.token_ids, sample.logprobs)]
             for rid in {o.request_id for o in outputs if o.finish_reason}:

@@ -123,9 +123,12 @@ class Sampler:
                              f"got {tuple(logits.shape)}")
         batch, vocab = logits.shape
         raw = logits.float()
-        work = raw.clone()  # never write into the caller's tensor
-        _mask_min_tokens(work, states)
-        _apply_penalties(work, states)
+        edits = any(len(st.output_token_ids) < st.params.min_tokens or st.params.repetition_penalty != 1.0
+                    or st.params.frequency_penalty != 0.0 or st.params.presence_penalty != 0.0 for st in states)
+        work = raw.clone() if edits else raw  # never write into the caller's tensor (nothing writes without edits)
+        if edits:
+            _mask_min_tokens(work, states)
+            _apply_penalties(work, states)
 
         want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         lp_rows: Tensor | None = None
@@ -136,8 +139,9 @@ class Sampler:
         tokens = torch.empty(batch, dtype=torch.long, device=work.device)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         rand = [i for i, s in enumerate(states) if not s.params.greedy]
-        if greedy:
-            # torch.argmax returns the first maximal index, i.e. ties go to the lowest id.
+        if len(greedy) == batch:  # torch.argmax returns the first maximal index, i.e. ties go to the lowest id
+            tokens = work.argmax(dim=-1)
+        elif greedy:
             tokens[greedy] = work[greedy].argmax(dim=-1)
         if rand:
             probs = _filtered_probs(work[rand], [states[i].params for i in rand])

@@ -14,6 +14,7 @@ from ..ops.kda_native import kda_gate_beta, kda_gate_beta_ref
 from ..ops.native import gated_rmsnorm_bf16
 from .batch import StepBatch
 from .linear import Linear
+from .native_path import LINEAR_MAX_ROWS
 from .prepack import Derived, PackedWeights, module_group
 from .norm import gated_rms_norm
 
@@ -58,7 +59,9 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         N, H, K = x.shape[0], self.H, self.K
         q_in, k_in, v_in, f_a, b, g_in = self._input_projections(x)
-        gate_beta = kda_gate_beta if self.native else kda_gate_beta_ref
+        # the native gate (scalar exp/log1p, ~10 ns an element) pays off only at decode sizes, where the fused block
+        # (layers/fused_blocks.py) computes it the same way; larger steps take torch's vectorised ops
+        gate_beta = kda_gate_beta if self.native and N <= LINEAR_MAX_ROWS else kda_gate_beta_ref
         g, beta = gate_beta(self.f_b_proj(f_a), b, self.dt_bias, self.A_log, self.config.kda_gate_lower_bound)
         gate = g_in if self.config.kda_full_rank_gate else self.g_b_proj(g_in)
 
