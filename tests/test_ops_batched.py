@@ -21,6 +21,7 @@ from deltaserve.ops.kda_batched import (
     short_conv_decode_batched,
     short_conv_decode_batched_ref,
 )
+from deltaserve.ops import native
 from deltaserve.ops.mla import mla_attention_ref
 from deltaserve.ops.mlapo import MLAWeights, mla_preprocess, mla_preprocess_ref
 from deltaserve.ops.opset import get_ops
@@ -260,6 +261,24 @@ def test_mlapo_fast_vs_ref_and_page_write(q_lora, indexer, gate):
     _compare(mla_preprocess_ref(x[:1], Wt), mla_preprocess(x[:1], Wt))
     empty = mla_preprocess(x[:0], Wt, out_rows=rows[:0], latent_cache=lat_f)
     assert empty.q_lat.shape == (0, 4, 32)
+
+
+@pytest.mark.parametrize("N", [1, 3, 6])
+def test_mlapo_bf16_few_rows_native_vs_ref(N):
+    """bf16 weights: up to 4 rows the products run the native kernels on MLAWeights.packed (above, oneDNN); both
+    agree with the reference chain to bf16 rounding."""
+    gen = torch.Generator().manual_seed(9)
+    Wt = _rand_weights(gen, q_lora=True, indexer=True, gate=True)
+    for name in [f.name for f in dataclasses.fields(Wt)]:
+        value = getattr(Wt, name)
+        if isinstance(value, torch.Tensor):
+            setattr(Wt, name, value.to(torch.bfloat16))
+    x = torch.randn(N, 48, generator=gen).to(torch.bfloat16)
+    ref, fast = mla_preprocess_ref(x, Wt), mla_preprocess(x, Wt.fuse())
+    assert set(Wt.packed) == ({"w_a", "q_b_proj", "index_wq_b", "w_uk_t"} if native.native_library() else set())
+    for name, a, b in zip(ref._fields, ref, fast):
+        if a is not None:
+            torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2, msg=name)
 
 
 def test_mlapo_rope_fast_vs_ref():

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.native import native_usable
+from ..ops.native import LINEAR_MAX_ROWS, native_usable
 
-LINEAR_MAX_ROWS = 4
 MLP_MAX_ROWS = 8
+
+__all__ = ["LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "takes_native", "enable_native_kernels", "switch_modules"]
 
 
 def takes_native(x: torch.Tensor, max_rows: int) -> bool:

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import native
 from .qli import write_index_keys
 from .qsfa import write_latent
 
@@ -74,6 +75,10 @@ class MLAWeights:
     w_a: Tensor | None = field(default=None, repr=False)      # [r_q | H(n+ρ), r+ρ, (H v), (D_I), (H_I)] × d
     w_uk: Tensor | None = field(default=None, repr=False)     # [H, n, r]
     split_a: tuple[int, ...] = field(default=(), repr=False)  # output widths of w_a's blocks
+    # bf16 on the CPU: w_a, q_b_proj, index_wq_b and W_UK^T [H, r, n] packed for the native kernels, which take
+    # the products of a few rows (oneDNN re-lays an unpacked weight out on every call: most of a decode step's
+    # MLAPO time)
+    packed: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def has_indexer(self) -> bool:
@@ -98,6 +103,11 @@ class MLAWeights:
         self.split_a = tuple(b.shape[0] for b in blocks)
         H, n, v = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
         self.w_uk = self.kv_b_proj.detach().view(H, n + v, -1)[:, :n].contiguous()
+        self.packed = {}
+        if native.native_usable(self.w_a.dtype, self.w_a.device):
+            named = {"w_a": self.w_a, "q_b_proj": self.q_b_proj, "index_wq_b": self.index_wq_b,
+                     "w_uk_t": self.w_uk.transpose(1, 2)}
+            self.packed = {name: native.pack_rows(w) for name, w in named.items() if w is not None}
         return self
 
     @classmethod
@@ -215,13 +225,13 @@ def mla_preprocess(x: Tensor, weights: MLAWeights, positions: Tensor | None = No
     H, n, rho, r = W.num_heads, W.qk_nope_head_dim, W.qk_rope_head_dim, W.kv_lora_rank
     # column blocks of the fused output are strided views; elementwise kernels on strided views run several
     # times slower on CPU than one copy of the (small) activation, so make each block contiguous
-    parts = [p.contiguous() for p in torch.split(F.linear(x, W.w_a), W.split_a, dim=-1)]
+    parts = [p.contiguous() for p in torch.split(_product(x, W, "w_a"), W.split_a, dim=-1)]
     first, ckv = parts[0], parts[1]
     rest = parts[2:]
     gate = rest.pop(0) if W.g_proj is not None else None
     if W.q_lora:
         c_q = _rms_norm(first, W.q_a_norm, eps_q)
-        q = F.linear(c_q, W.q_b_proj)
+        q = _product(c_q, W, "q_b_proj")
     else:
         c_q, q = None, first
     q = q.view(N, H, n + rho)
@@ -230,16 +240,30 @@ def mla_preprocess(x: Tensor, weights: MLAWeights, positions: Tensor | None = No
     iq = ik = iw = None
     if W.has_indexer:
         k_raw, w_raw = rest
-        iq = F.linear(c_q, W.index_wq_b).view(N, W.index_n_heads, W.index_head_dim)
+        iq = _product(c_q, W, "index_wq_b").view(N, W.index_n_heads, W.index_head_dim)
         ik = _layer_norm(k_raw, W.index_k_norm_weight, W.index_k_norm_bias, eps_index)
         iw = w_raw.float() * W.index_n_heads ** -0.5
     q_pe, k_pe, iq, ik = _rope(q_pe, k_pe, iq, ik, W, positions, rotary)
-    # absorption as one batched GEMM over heads: [H, N, n] × [H, n, r] -> [H, N, r]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), W.w_uk).transpose(0, 1)
+    if _few_native_rows(q_nope, W, "w_uk_t"):  # per head q_nope W_UK, one native call over the heads
+        q_lat = native.linear_heads(q_nope, W.packed["w_uk_t"], r)
+    else:  # one batched GEMM over heads: [H, N, n] × [H, n, r] -> [H, N, r]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), W.w_uk).transpose(0, 1)
     latent = torch.cat([c, k_pe], dim=-1)
     if out_rows is not None:
         _write_caches(latent, ik, out_rows, latent_cache, index_cache, index_scales)
     return MLAPreOut(q_lat, q_pe.contiguous(), latent, c_q, iq, ik, iw, gate)
+
+
+def _few_native_rows(x: Tensor, W: MLAWeights, name: str) -> bool:
+    return (name in W.packed and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= native.LINEAR_MAX_ROWS
+            and x.stride(-1) == 1)
+
+
+def _product(x: Tensor, W: MLAWeights, name: str) -> Tensor:
+    """x @ W.<name>^T: the native kernel on the packed copy for a few bf16 rows, else F.linear."""
+    if _few_native_rows(x, W, name) and x.dim() == 2:
+        return native.linear_packed(x, W.packed[name], getattr(W, name).shape[0])
+    return F.linear(x, getattr(W, name))
 
 
 def _write_caches(latent: Tensor, ik: Tensor | None, out_rows: Tensor, latent_cache, index_cache: Tensor | None,

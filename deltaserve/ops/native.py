@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).with_name("native_src")
 _F = ctypes.c_float
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+# Plain linears take the native kernels up to this many rows; above it oneDNN's blocked GEMM wins on the 2-core
+# EPYC (layers/native_path.py has the measurements).
+LINEAR_MAX_ROWS = 4
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
