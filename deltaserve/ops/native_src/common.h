@@ -28,6 +28,11 @@ typedef uint16_t bf16;
 #define TILE_ROWS 4   /* weight rows per tile */
 #define BLOCK_ROWS 32 /* weight rows per work item */
 #define MAX_X 4       /* input rows per tile */
+/* How far ahead in a packed weight stream the dot tiles prefetch into L2: one 4-row tile at K = 1024. With more
+ * than 4 input rows a tile is read twice (the second pass from cache) and the hardware prefetcher stalls behind
+ * the compute; prefetching keeps DRAM busy. Measured on the 2-core EPYC, kimi-linear-small's experts: 128 tokens
+ * 5.6 -> 4.2 ms a layer, 8 and 32 tokens and single-row linears unchanged (within 3%). */
+#define PREFETCH_BYTES 8192
 
 static inline float bf16_to_f32(bf16 v) {
     uint32_t u = (uint32_t)v << 16;
@@ -71,6 +76,9 @@ static inline __attribute__((always_inline)) void dot_tile_n(const bf16 *const *
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         __m512i wv[TILE_ROWS];
+        if (kstep == TILE_ROWS * 32) /* packed: ask L2 for the stream PREFETCH_BYTES ahead (see its definition) */
+            for (int j = 0; j < TILE_ROWS; j++)
+                _mm_prefetch((const char *)(w[j] + k / 32 * kstep) + PREFETCH_BYTES, _MM_HINT_T1);
         for (int j = 0; j < TILE_ROWS; j++) wv[j] = _mm512_loadu_si512(w[j] + k / 32 * kstep);
         for (int i = 0; i < NX; i++) {
             __m512i xv = _mm512_loadu_si512(x[i] + k);
