@@ -441,3 +441,20 @@ def test_metrics_labelled_gauges_and_spec_counters():
     assert s['deltaserve:spec_decode_num_accepted_tokens_per_pos_total{position="2"}'] == 2
     assert s["deltaserve:spec_decode_num_drafts_total"] == 6
     assert s["deltaserve:kv_transfer_bytes_total"] == 1024 and s["deltaserve:kv_transfer_seconds_count"] == 1
+
+
+@pytest.mark.parametrize("text", ["a\u2028b", "x\u0085y\u2029z", "plain"])
+def test_sse_events_survive_line_readers_that_split_on_unicode_breaks(text):
+    """A generated token can decode to U+2028, U+2029 or U+0085: raw inside the event's JSON, httpx's aiter_lines
+    (str.splitlines) would cut the event in two. Both SSE writers escape them; the JSON decodes to the same text."""
+    from httpx._decoders import LineDecoder
+
+    from deltaserve.server.handlers import _sse
+    from deltaserve.server.protocol import CompletionStreamResponse, sse_event
+
+    chunk = CompletionStreamResponse.model_validate(
+        {"id": "c1", "created": 0, "model": "m", "choices": [{"index": 0, "text": text}]})
+    for event in (_sse({"choices": [{"text": text}]}), sse_event(chunk)):
+        lines = [line for line in LineDecoder().decode(event) if line]
+        assert len(lines) == 1 and lines[0].startswith("data: ")
+        assert json.loads(lines[0][6:])["choices"][0]["text"] == text

@@ -20,7 +20,7 @@ from ..tokenizer import Tokenizer
 from .engine_client import EngineClient, EngineDeadError
 from .metrics import Metrics
 from .parsers import parser_for
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body, sse_data
 
 
 @dataclass
@@ -72,7 +72,7 @@ class ServerState:
 
 
 def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return sse_data(json.dumps(obj, ensure_ascii=False, separators=(',', ':')))
 
 
 async def _tracked(state: ServerState, request_id: str, prompt: str | None, ids: list[int],

@@ -630,9 +630,21 @@ class ChatCompletionChunk(OpenAIModel):
         return _drop_nulls(handler(self), keep=("choices",))
 
 
+# Characters that JSON leaves raw inside strings but that line readers split on: str.splitlines (httpx's
+# aiter_lines, requests' iter_lines) breaks an event at U+0085, U+2028 and U+2029, so a generated token that
+# decodes to one of them would cut the event's JSON in two on the client. Escaped, the JSON decodes the same.
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_data(json_text: str) -> str:
+    """One server-sent event carrying the JSON text `json_text`, safe for line readers that split on Unicode line
+    breaks."""
+    return f"data: {json_text.translate(_LINE_BREAKS)}\n\n"
+
+
 def sse_event(chunk: BaseModel) -> str:
     """One server-sent event carrying `chunk` as JSON."""
-    return f"data: {chunk.model_dump_json()}\n\n"
+    return sse_data(chunk.model_dump_json())
 
 
 SSE_DONE = "data: [DONE]\n\n"
