@@ -1,5 +1,5 @@
-"""The native CPU kernels (`native_src/`: products.c, attention.c, common.h): built once per machine, loaded
-through ctypes.
+"""The native CPU kernels (`native_src/`: products.c, attention.c, blocks.c, common.h, kernels.h): built once per
+machine, loaded through ctypes.
 
 The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
 into the cache folder (`envs.cache_dir()`), under a name that hashes the sources, the flags and the compiler, so
@@ -7,9 +7,10 @@ an edit or a different machine builds anew; a concurrent build by another proces
 Without a compiler `native_library()` returns None and every caller keeps its torch path.
 
 The wrappers take torch tensors and check what the C side assumes (bf16, CPU, contiguous rows); the reference
-twins are `F.linear`, the torch MoE dispatch in `layers/moe.py` and the torch norms (tests/test_native.py holds
-them together).
-The KDA kernels are wrapped by `ops/kda_native.py`: ops of the op set, each with its reference twin.
+twins are `F.linear`, the torch MoE dispatch and router in `layers/moe.py` and the torch norms (tests/test_native.py
+and tests/test_fused_blocks.py hold them together). The KDA kernels are wrapped by `ops/kda_native.py` (ops of the
+op set, each with its reference twin), AttnRes mixing by `ops/attn_res.py`, and the fused decode blocks
+(blocks.c) by `layers/fused_blocks.py`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@
 #include "kernels.h"
 
 enum { KB_D, KB_H, KB_K, KB_W, KB_NIN, KB_NORM_W, KB_W_IN, KB_W_FB, KB_W_GB, KB_DT_BIAS, KB_A_LOG, KB_CONV_W,
-       KB_ONORM_W, KB_W_O, KB_LEN };
-enum { KBF_EPS, KBF_ONORM_EPS, KBF_LOWER_BOUND, KBF_SCALE, KBF_LEN };
+       KB_ONORM_W, KB_W_O };
+enum { KBF_EPS, KBF_ONORM_EPS, KBF_LOWER_BOUND, KBF_SCALE };
 
 /* out = bf16(r + a), or out = a when there is no r. */
 static void residual_add(const bf16 *r, const bf16 *a, int64_t n, bf16 *out) {
@@ -61,9 +61,8 @@ void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, cons
 }
 
 enum { MB_D, MB_NORM_W, MB_E, MB_I, MB_K, MB_ROUTER_W, MB_BIAS, MB_SOFTMAX, MB_GROUPS, MB_TOPK_GROUP, MB_RENORM,
-       MB_W1, MB_W3, MB_W2, MB_SHARED_I, MB_S1, MB_S3, MB_S2, MB_ACT, MB_LATENT, MB_W_DOWN, MB_LATENT_NORM_W, MB_W_UP,
-       MB_LEN };
-enum { MBF_EPS, MBF_SCALE, MBF_BETA, MBF_LIN_BETA, MBF_LATENT_EPS, MBF_LEN };
+       MB_W1, MB_W3, MB_W2, MB_SHARED_I, MB_S1, MB_S3, MB_S2, MB_ACT, MB_LATENT, MB_W_DOWN, MB_LATENT_NORM_W, MB_W_UP };
+enum { MBF_EPS, MBF_SCALE, MBF_BETA, MBF_LIN_BETA, MBF_LATENT_EPS };
 
 static void linear_1(const bf16 *x, int64_t M, int64_t K, const bf16 *packed, int64_t N, bf16 *y, int nthreads) {
     int64_t task[7] = {(int64_t)packed, -1, N, (int64_t)y, N, (int64_t)x, K};
@@ -128,9 +127,9 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     return bad;
 }
 
-enum { AB_D, AB_H, AB_N, AB_RHO, AB_V, AB_R, AB_NORM_W, AB_W_Q, AB_W_KVA, AB_KVA_NORM_W, AB_W_UK, AB_W_UV, AB_W_O,
-       AB_LEN };
-enum { ABF_EPS, ABF_KVA_EPS, ABF_SCALE, ABF_LEN };
+enum { AB_D, AB_H, AB_N, AB_RHO, AB_V, AB_R, AB_NORM_W, AB_W_Q, AB_W_KVA, AB_KVA_NORM_W, AB_W_UK, AB_W_UV,
+       AB_W_O };
+enum { ABF_EPS, ABF_KVA_EPS, ABF_SCALE };
 
 /* out = r + MLA(rmsnorm(x)) for N decode tokens of Kimi's dense NoPE MLA (layers/mla.py: q_proj, kv_a_proj and
  * its norm, the cache row [c | k_pe] written at write_rows[i] (< 0: not written), the query absorbed per head by
@@ -143,14 +142,17 @@ int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
                  int64_t nrows, int pages_bf16, bf16 *out, int nthreads) {
     int64_t D = desc[AB_D], H = desc[AB_H], NOPE = desc[AB_N], RHO = desc[AB_RHO], V = desc[AB_V], R = desc[AB_R];
     int64_t QW = H * (NOPE + RHO), CW = R + RHO;
-    for (int64_t i = 0; i < N; i++)
+    for (int64_t i = 0; i < N; i++) {
         if (write_rows[i] >= nrows) return -1;
+        for (int64_t j = 0; j < nsel && selected[i * nsel + j] >= 0; j++)
+            if (selected[i * nsel + j] >= nrows) return -1;
+    }
     bf16 *x = malloc(sizeof(bf16) * (size_t)(N * (D + QW + CW + R + 2 * H * R + H * V + D)));
     bf16 *q = x + N * D, *ckv = q + N * QW, *cn = ckv + N * CW, *qlat = cn + N * R, *olat = qlat + N * H * R;
     bf16 *vals = olat + N * H * R, *a = vals + N * H * V;
     float *qlat_f = malloc(sizeof(float) * (size_t)(N * H * (2 * R + RHO + 1))), *qpe_f = qlat_f + N * H * R;
     float *olat_f = qpe_f + N * H * RHO, *lse = olat_f + N * H * R;
-    int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(7 * (H > 2 ? H : 2)));
+    int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(7 * H));
     int bad = 0;
 
     ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[AB_NORM_W], fdesc[ABF_EPS], x, nthreads);

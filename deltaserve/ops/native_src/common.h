@@ -1,4 +1,4 @@
-/* Shared by the native CPU kernels (products.c, attention.c): bf16 conversions, vectorised fp32 helpers and the
+/* Shared by the native CPU kernels (products.c, attention.c, blocks.c): bf16 conversions, vectorised fp32 helpers and the
  * bf16 dot-product tiles over row-major or packed weights. Built at first use by ops/native.py with the system
  * compiler for this machine (-march=native) and called through ctypes with raw pointers.
  *
