@@ -237,7 +237,7 @@ def _latent_parts(moe: MoE) -> list[torch.nn.Module]:
 def _ffn_descriptor(c: ModelConfig, norm: RMSNorm, moe: MoE | None, mlp: MLP | None) -> _Descriptor:
     """native_src/blocks.c MB_* / MBF_* order."""
     keep: list[torch.Tensor] = [norm.weight]
-    routed = [0] * 9 + [0, 0, 0]  # E, I, k, router w, bias, softmax, groups, topk_group, renorm, w1, w3, w2
+    routed = [0] * 12  # E, I, k, router w, bias, softmax, groups, topk_group, renorm, w1, w3, w2
     if moe is not None:
         router_w, bias = moe.gate._weight_f32(), moe.gate._bias_f32()
         stacks = moe.experts._native_weights()
