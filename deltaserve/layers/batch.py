@@ -78,9 +78,7 @@ class StepBatch:
         """[B] int64 state slot of every sequence when this step is pure decode (one row per sequence, in order, no
         prefix-cache snapshot) over a cache whose handles carry slots; else None. Built once per step, read by
         every KDA layer's fused block (layers/fused_blocks.py)."""
-        B = self.num_seqs
-        if (self.cache is None or len(self.handles) != B or self.query_start != list(range(B + 1))
-                or any(self.kda_snapshots)):
+        if not self._one_row_each() or any(self.kda_snapshots):
             return None
         slots = [getattr(h, "slot", None) for h in self.handles]
         return None if None in slots else torch.tensor(slots, dtype=torch.int64)
@@ -90,17 +88,20 @@ class StepBatch:
         """[B, max context + 1] int64 flat cache rows of every sequence's positions up to this step's token, -1
         padded, when this step is pure decode over a paged cache (handles with `rows`); else None. Built once per
         step, read by every dense MLA layer's fused block (layers/fused_blocks.py)."""
-        B = self.num_seqs
-        if self.cache is None or len(self.handles) != B or self.query_start != list(range(B + 1)):
-            return None
-        rows = [getattr(h, "rows", None) for h in self.handles]
+        rows = [getattr(h, "rows", None) for h in self.handles] if self._one_row_each() else [None]
         if any(r is None for r in rows):
             return None
         lengths = [c + 1 for c in self.context_lens]
-        out = torch.full((B, max(lengths)), -1, dtype=torch.int64)
+        out = torch.full((self.num_seqs, max(lengths)), -1, dtype=torch.int64)
         for i, (r, n) in enumerate(zip(rows, lengths)):
             out[i, :n] = r[:n]
         return out
+
+    def _one_row_each(self) -> bool:
+        """A cached step where every sequence computes exactly one token, rows in sequence order."""
+        B = self.num_seqs
+        return (B > 0 and self.cache is not None and len(self.handles) == B
+                and self.query_start == list(range(B + 1)))
 
     def rows(self, i: int) -> slice:
         return slice(self.query_start[i], self.query_start[i + 1])
