@@ -43,12 +43,12 @@ def _caches(model, seed: int) -> list[PagedCache]:
 
 
 def _decode_batch(cache: PagedCache, slots: list[int], position: int) -> StepBatch:
-    """Sequence i (state slot slots[i]) owns page i and decodes its token at `position`."""
+    """Sequence i (state slot slots[i]) owns page i and decodes its token at position + i (contexts differ)."""
     N = len(slots)
-    handles = [SeqHandle(s, torch.arange(16 * i, 16 * i + position + 1)) for i, s in enumerate(slots)]
-    write_rows = torch.tensor([16 * i + position for i in range(N)])
-    return StepBatch(torch.full((N,), position), list(range(N + 1)), [position] * N, cache, handles,
-                     write_rows=write_rows)
+    positions = [position + i for i in range(N)]
+    handles = [SeqHandle(s, torch.arange(16 * i, 16 * i + p + 1)) for i, (s, p) in enumerate(zip(slots, positions))]
+    write_rows = torch.tensor([16 * i + p for i, p in enumerate(positions)])
+    return StepBatch(torch.tensor(positions), list(range(N + 1)), positions, cache, handles, write_rows=write_rows)
 
 
 def _with_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
