@@ -1,6 +1,6 @@
-"""Fused residual blocks (layers/fused_blocks.py, native_src/blocks.c) against the modules they fuse, bit for bit,
-over several decode steps of every layer of the tiny presets; the native router and KDA gate against their torch
-twins; and an engine decode that goes through the blocks."""
+"""Fused residual blocks (layers/fused_blocks.py, native_src/blocks.c) against the modules they fuse, bit for bit
+(K3's DSA block to bf16 rounding), over several decode steps of every layer of the tiny presets; the native router
+and KDA gate against their torch twins; and an engine decode that goes through the blocks."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from deltaserve.models import base
 from deltaserve.models.loader import load_config, load_model
 from deltaserve.ops import native
 from deltaserve.ops.kda_native import kda_gate_beta, kda_gate_beta_ref
+from deltaserve.ops.qli import build_index_meta
 from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
 
 pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
@@ -42,13 +43,17 @@ def _caches(model, seed: int) -> list[PagedCache]:
     return caches
 
 
-def _decode_batch(cache: PagedCache, slots: list[int], position: int) -> StepBatch:
-    """Sequence i (state slot slots[i]) owns page i and decodes its token at position + i (contexts differ)."""
+def _decode_batch(cache: PagedCache, slots: list[int], position: int, config) -> StepBatch:
+    """Sequence i (state slot slots[i]) owns page i and decodes its token at position + i (contexts differ); DSA
+    models get the step's indexer metadata."""
     N = len(slots)
     positions = [position + i for i in range(N)]
     handles = [SeqHandle(s, torch.arange(16 * i, 16 * i + p + 1)) for i, (s, p) in enumerate(zip(slots, positions))]
     write_rows = torch.tensor([16 * i + p for i, p in enumerate(positions)])
-    return StepBatch(torch.tensor(positions), list(range(N + 1)), positions, cache, handles, write_rows=write_rows)
+    meta = (build_index_meta([torch.tensor([i]) for i in range(N)], [p + 1 for p in positions], torch.arange(N),
+                             torch.tensor(positions), 16, config.index_topk) if config.has_dsa else None)
+    return StepBatch(torch.tensor(positions), list(range(N + 1)), positions, cache, handles, index_meta=meta,
+                     write_rows=write_rows)
 
 
 def _with_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -67,18 +72,25 @@ def test_blocks_equal_the_modules_bit_for_bit(make_checkpoint, preset, slots):
     fused_attention = fused_ffn = 0
     with torch.inference_mode():
         for step in range(3):
-            fused_batch = _decode_batch(fused_cache, slots, 4 + step)
-            module_batch = _decode_batch(module_cache, slots, 4 + step)
+            fused_batch = _decode_batch(fused_cache, slots, 4 + step, model.config)
+            module_batch = _decode_batch(module_cache, slots, 4 + step, model.config)
             for layer in model.layers:
                 x = torch.randn(len(slots), model.config.hidden_size, generator=g).to(torch.bfloat16)
                 residual = [x, torch.randn(x.shape, generator=g).to(torch.bfloat16), None][step]
                 got = attention_block(layer, x, fused_batch, residual)
-                if isinstance(layer.self_attn, KimiDeltaAttention) or layer.self_attn.indexer is None:
-                    want = _with_residual(layer.self_attn(layer.input_layernorm(x), module_batch), residual)
+                attn = layer.self_attn
+                want = _with_residual(attn(layer.input_layernorm(x), module_batch), residual)
+                if isinstance(attn, KimiDeltaAttention) or attn.indexer is None:
                     assert got is not None and torch.equal(got, want), f"layer {layer.layer} attention"
                     fused_attention += 1
-                else:
-                    assert got is None  # DSA layers run their modules
+                elif attn.rotary is None:  # K3's DSA: LayerNorm statistics and sigmoid in another order
+                    assert got is not None, f"layer {layer.layer} DSA"
+                    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+                    assert (got == want).float().mean() > 0.9
+                    fused_attention += 1
+                else:  # DeepSeek's RoPE DSA layers run their modules (on both caches, to keep them alike)
+                    assert got is None
+                    attn(layer.input_layernorm(x), fused_batch)
                 got = ffn_block(layer, x, residual)
                 assert got is not None, f"layer {layer.layer} FFN"
                 want = _with_residual(layer.ffn(layer.post_attention_layernorm(x)), residual)
@@ -88,9 +100,12 @@ def test_blocks_equal_the_modules_bit_for_bit(make_checkpoint, preset, slots):
             assert torch.equal(fused_cache.states.recurrent, module_cache.states.recurrent)
             for l in fused_cache.pages.latent:
                 assert torch.equal(fused_cache.pages.latent_rows(l), module_cache.pages.latent_rows(l))
-    dense_mla = sum(1 for l in model.layers if not isinstance(l.self_attn, KimiDeltaAttention)
-                    and l.self_attn.indexer is None)
-    assert fused_attention == 3 * (len(model.config.kda_layers) + dense_mla)
+            for l in fused_cache.pages.index_keys:  # the indexer keys' LayerNorm: to a bf16 step
+                torch.testing.assert_close(fused_cache.pages.key_rows(l)[0].float(),
+                                           module_cache.pages.key_rows(l)[0].float(), rtol=1e-2, atol=1e-2)
+    fusable = sum(1 for l in model.layers if isinstance(l.self_attn, KimiDeltaAttention)
+                  or l.self_attn.indexer is None or l.self_attn.rotary is None)
+    assert fused_attention == 3 * fusable
     assert fused_ffn == 3 * len(model.layers)
 
 
@@ -100,7 +115,7 @@ def test_blocks_step_aside_where_they_do_not_apply(make_checkpoint):
     cache = PagedCache(PagePool(model.config, 8, 16, torch.bfloat16), StateSlots(model.config, 8))
     d = model.config.hidden_size
     h = torch.randn(5, d).to(torch.bfloat16)
-    assert attention_block(layer, h, _decode_batch(cache, [0, 1, 2, 3, 4], 3), h) is None  # > 4 rows
+    assert attention_block(layer, h, _decode_batch(cache, [0, 1, 2, 3, 4], 3, model.config), h) is None  # > 4 rows
     big = torch.randn(9, d).to(torch.bfloat16)
     assert ffn_block(layer, big, big) is None  # > MLP_MAX_ROWS rows
     assert ffn_block(layer, h.float(), None) is None

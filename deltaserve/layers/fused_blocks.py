@@ -4,13 +4,15 @@
 At batch 1 a kimi-linear-small step spent about as long in the Python and torch glue between the native kernels
 (~10 calls and ~40 small ops a layer: norms, projections, gate math, views, the router's dozen ops, the residual
 adds) as in the kernels themselves. A fused block runs the same kernels in the same order from C, so its output
-equals the modules' bit for bit: the modules' forward is its twin (tests/test_fused_blocks.py).
+equals the modules' bit for bit: the modules' forward is its twin (tests/test_fused_blocks.py). K3's DSA block is
+the exception: its index-key LayerNorm and output-gate sigmoid are computed in C, equal to fp32 rounding.
 
 A block applies when every part it composes runs on the native kernels (`native` switched on, bf16, unquantised)
-and the step is small: KDA attention, or Kimi's dense NoPE MLA over paged bf16/fp32 latents, on a pure decode step
-of at most `LINEAR_MAX_ROWS` sequences, a MoE or dense-MLP FFN over at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS`
-for K3's latent MoE, whose down and up projections are plain linears). Otherwise the calls return None and the
-layer runs its modules.
+and the step is small: KDA attention, Kimi's dense NoPE MLA over paged bf16/fp32 latents, or K3's NoPE DSA layer
+while the indexer's top-k covers every sequence's whole context (then it selects every row: only its key is
+computed and stored), on a pure decode step of at most `LINEAR_MAX_ROWS` sequences; a MoE or dense-MLP FFN over
+at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS` for K3's latent MoE, whose down and up projections are plain
+linears). Otherwise the calls return None and the layer runs its modules.
 
 Each layer keeps a `BlockPlans`: per block, gathered at its first decode step, the modules whose `native` switches
 it needs (read on every call), the weights it reads and its descriptor (dimensions and the packed weights'
@@ -68,11 +70,13 @@ class _Descriptor:
 
 class _Plan:
     """One block of one layer: `module` (the attention or FFN it fuses), the modules whose native switches must be
-    on, the weights the descriptor reads and its builder, `max_rows` it takes."""
+    on, the weights the descriptor reads and its builder (which may give None: the block does not apply),
+    `max_rows` it takes and, for attention, the function that runs it."""
 
     def __init__(self, module: torch.nn.Module, switches: list[torch.nn.Module], sources: list[torch.Tensor],
-                 build, max_rows: int):
+                 build, max_rows: int, run=None):
         self.module, self.switches, self.sources, self.build, self.max_rows = module, switches, sources, build, max_rows
+        self.run = run  # attention blocks: (plan, descriptor, x, batch, residual) -> output or None
         self._descriptor = Derived()
 
     def descriptor(self, x: torch.Tensor, residual: torch.Tensor | None) -> _Descriptor | None:
@@ -82,7 +86,7 @@ class _Plan:
         for m in self.switches:
             if not m.native:
                 return None
-        return self._descriptor.get(self.sources, self.build)
+        return self._descriptor.get(self.sources, self.build)  # None when the builder found no native packs
 
 
 def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> _Descriptor:
@@ -123,7 +127,8 @@ def _kda_plan(attn: KimiDeltaAttention, norm: RMSNorm) -> _Plan | None:
         return None
     sources = [norm.weight, attn.dt_bias, attn.A_log, attn.o_norm.weight, *(m.weight for m in linears),
                *(conv.weight for conv in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d))]
-    return _Plan(attn, [attn, norm, *linears], sources, lambda: _kda_descriptor(attn, norm), LINEAR_MAX_ROWS)
+    return _Plan(attn, [attn, norm, *linears], sources, lambda: _kda_descriptor(attn, norm), LINEAR_MAX_ROWS,
+                 _run_kda)
 
 
 def _run_kda(plan: _Plan, desc: _Descriptor, x: torch.Tensor, batch: StepBatch,
@@ -168,7 +173,7 @@ def _mla_plan(attn: MLAttention, norm: RMSNorm) -> _Plan | None:
     if parts is None or not _has_switches(attn, norm, *parts):
         return None
     return _Plan(attn, [attn, norm, *parts], [norm.weight, *(m.weight for m in parts)],
-                 lambda: _mla_descriptor(attn, norm), LINEAR_MAX_ROWS)
+                 lambda: _mla_descriptor(attn, norm), LINEAR_MAX_ROWS, _run_mla)
 
 
 def _run_mla(plan: _Plan, desc: _Descriptor, x: torch.Tensor, batch: StepBatch,
@@ -192,6 +197,68 @@ def _run_mla(plan: _Plan, desc: _Descriptor, x: torch.Tensor, batch: StepBatch,
     return out
 
 
+def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> _Plan | None:
+    """K3's DSA layer (NoPE, query LoRA) on the MLAPO path with bf16 weights and norms."""
+    c = attn.config
+    if (attn.rotary is not None or c.q_lora_rank is None or not attn._fusable()
+            or not _has_switches(attn, norm, attn.o_proj)):
+        return None
+    ix = attn.indexer
+    if not all(t.dtype == torch.bfloat16 for t in (attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight,
+                                                   ix.k_norm.weight, ix.k_norm.bias)):
+        return None
+    attn._fused_weights()  # gathers the layer's parameters: the block's sources
+    return _Plan(attn, [attn, norm, attn.o_proj], [norm.weight, *attn._mlapo_sources],
+                 lambda: _dsa_descriptor(attn, norm), LINEAR_MAX_ROWS, _run_dsa)
+
+
+def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> _Descriptor | None:
+    """native_src/blocks.c DB_* / DBF_* order; None when the MLAPO weights have no native packs."""
+    W = attn._fused_weights()
+    if not {"w_a", "q_b_proj", "w_uk_t"} <= set(W.packed):
+        return None
+    w_uv, w_o = attn._kv_b_native()[1], _packed(attn.o_proj)
+    keep = [norm.weight, W.packed["w_a"], W.packed["q_b_proj"], W.packed["w_uk_t"], w_uv, w_o, W.q_a_norm,
+            W.kv_a_norm, W.index_k_norm_weight, W.index_k_norm_bias]
+    c = attn.config
+    ints = [c.hidden_size, attn.H, attn.n, attn.rho, attn.v, attn.r, c.q_lora_rank, sum(W.split_a),
+            attn.H * attn.v if W.g_proj is not None else 0, W.index_head_dim, norm.weight.data_ptr(),
+            W.packed["w_a"].data_ptr(), W.q_a_norm.data_ptr(), W.packed["q_b_proj"].data_ptr(),
+            W.kv_a_norm.data_ptr(), W.index_k_norm_weight.data_ptr(), W.index_k_norm_bias.data_ptr(),
+            W.packed["w_uk_t"].data_ptr(), w_uv.data_ptr(), w_o.data_ptr()]
+    floats = [norm.eps, c.mla_norm_eps, c.mla_norm_eps, c.index_norm_eps, attn.scale]
+    return _Descriptor(ints, floats, keep)
+
+
+def _page_rows(t, width: int) -> bool:
+    """A plain bf16/fp32 CPU page tensor of rows of `width` (not an 8-bit cache)."""
+    return (isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float32) and t.device.type == "cpu"
+            and t.stride(-1) == 1 and t.shape[-1] == width)
+
+
+def _run_dsa(plan: _Plan, desc: _Descriptor, x: torch.Tensor, batch: StepBatch,
+             residual: torch.Tensor | None) -> torch.Tensor | None:
+    """Only when the indexer would select every row of every sequence (all contexts within its top-k)."""
+    attn = plan.module
+    meta, context_rows = batch.index_meta, batch.decode_context_rows
+    if meta is None or not meta.all_short or context_rows is None or batch.write_rows is None:
+        return None
+    latent, keys, scales = batch.cache.mla_pages(attn.layer)
+    if scales is not None or not (_page_rows(latent, attn.r + attn.rho)
+                                  and _page_rows(keys, attn.indexer.head_dim)):
+        return None
+    write_rows = batch.write_rows.to(torch.int64).contiguous()
+    out = torch.empty_like(x)
+    if native.native_library().ds_dsa_block(desc.ints_address, desc.floats_address, x.data_ptr(),
+                                            _address(residual), x.shape[0], context_rows.data_ptr(),
+                                            context_rows.shape[1], write_rows.data_ptr(), latent.data_ptr(),
+                                            latent.stride(0), latent.shape[0], latent.dtype == torch.bfloat16,
+                                            keys.data_ptr(), keys.stride(0), keys.dtype == torch.bfloat16,
+                                            out.data_ptr(), torch.get_num_threads()):
+        raise IndexError(f"fused DSA block: a cache row lies outside the {latent.shape[0]} page rows")
+    return out
+
+
 def attention_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
                     residual: torch.Tensor | None) -> torch.Tensor | None:
     """`residual + self_attn(input_layernorm(x))` (no residual: the attention output) in one call on a pure decode
@@ -201,8 +268,7 @@ def attention_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
     desc = plan.descriptor(x, residual) if plan is not None else None
     if desc is None:
         return None
-    run = _run_kda if isinstance(plan.module, KimiDeltaAttention) else _run_mla
-    return run(plan, desc, x, batch, residual)
+    return plan.run(plan, desc, x, batch, residual)
 
 
 def _ffn_plan(ffn: torch.nn.Module, norm: RMSNorm, config: ModelConfig) -> _Plan | None:
@@ -291,7 +357,8 @@ class BlockPlans:
         if self._attention is _UNSET:
             attn, norm = layer.self_attn, layer.input_layernorm
             self._attention = (_kda_plan(attn, norm) if isinstance(attn, KimiDeltaAttention)
-                               else _mla_plan(attn, norm) if isinstance(attn, MLAttention) else None)
+                               else None if not isinstance(attn, MLAttention)
+                               else _mla_plan(attn, norm) if attn.indexer is None else _dsa_plan(attn, norm))
         return self._attention
 
     def ffn(self, layer: torch.nn.Module) -> _Plan | None:

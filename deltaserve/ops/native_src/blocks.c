@@ -1,8 +1,9 @@
 /* Fused residual blocks for decode: a whole pre-norm sub-block r + f(rmsnorm(x)) of a decoder layer in one call (r
  * = x for a plain residual layer; K3's AttnRes layers give the mixed x and the block's partial sum r, or none),
  * composed of the library's kernels in the order the layer modules call them (so the results are the modules'
- * bit for bit), for the few-row steps where the Python and torch glue between ~10 kernel calls a layer cost
- * about as much as the products (kimi-linear-small, batch 1: ~9 of ~20 ms a step).
+ * bit for bit; the DSA block's LayerNorm and sigmoid to fp32 rounding), for the few-row steps where the Python
+ * and torch glue between ~10 kernel calls a layer cost about as much as the products (kimi-linear-small,
+ * batch 1: ~9 of ~20 ms a step).
  *
  * Each block is described by a vector of int64 (dimensions and the addresses of the packed weights, built once
  * per layer by layers/fused_blocks.py) and one of floats (epsilons, scales); scratch is allocated per call. */
@@ -131,73 +132,171 @@ enum { AB_D, AB_H, AB_N, AB_RHO, AB_V, AB_R, AB_NORM_W, AB_W_Q, AB_W_KVA, AB_KVA
        AB_W_O };
 enum { ABF_EPS, ABF_KVA_EPS, ABF_SCALE };
 
+/* y[:, h] = x[:, h] W_h^T for each of H heads: x rows at stride ldx with head h at column h * hx, W_h [n_out, K]
+ * packed per head (one packed matrix after another), y [N, H * n_out]. */
+static void heads_linear(const bf16 *x, int64_t N, int64_t ldx, int64_t hx, int64_t H, int64_t K, int64_t packed,
+                         int64_t n_out, bf16 *y, int nthreads) {
+    int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(7 * H));
+    for (int64_t h = 0; h < H; h++) {
+        int64_t *t = tasks + 7 * h;
+        t[0] = packed + 2 * h * ((n_out + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(K));
+        t[1] = -1, t[2] = n_out, t[3] = (int64_t)(y + h * n_out), t[4] = H * n_out;
+        t[5] = (int64_t)(x + h * hx), t[6] = ldx;
+    }
+    ds_linear_bf16(N, K, H, tasks, nthreads);
+    free(tasks);
+}
+
+/* The absorbed attention of MLA over cache rows (layers/mla.py): q [N, H (NOPE + RHO)] bf16 -> q_lat = q_nope W_UK
+ * per head, QSFA over rows selected[i, :] (up to the first -1) of pages [nrows, R + RHO] (stride ld), the latent
+ * output rounded to bf16, vals [N, H V] = out_lat W_UV^T per head. Returns ds_qsfa's status. */
+static int attend_absorbed(const bf16 *q, int64_t N, int64_t H, int64_t NOPE, int64_t RHO, int64_t R, int64_t V,
+                           int64_t w_uk, int64_t w_uv, const int64_t *selected, int64_t nsel, const void *pages,
+                           int64_t ld, int64_t nrows, int pages_bf16, float scale, bf16 *vals, int nthreads) {
+    int64_t QW = H * (NOPE + RHO);
+    bf16 *qlat = malloc(sizeof(bf16) * (size_t)(2 * N * H * R)), *olat = qlat + N * H * R;
+    float *qlat_f = malloc(sizeof(float) * (size_t)(N * H * (2 * R + RHO + 1))), *qpe_f = qlat_f + N * H * R;
+    float *olat_f = qpe_f + N * H * RHO, *lse = olat_f + N * H * R;
+    heads_linear(q, N, QW, NOPE + RHO, H, NOPE, w_uk, R, qlat, nthreads);
+    for (int64_t i = 0; i < N * H; i++) {
+        for (int64_t c = 0; c < R; c++) qlat_f[i * R + c] = bf16_to_f32(qlat[i * R + c]);
+        for (int64_t c = 0; c < RHO; c++) qpe_f[i * RHO + c] = bf16_to_f32(q[i * (NOPE + RHO) + NOPE + c]);
+    }
+    int bad = ds_qsfa(N, H, R, RHO, qlat_f, qpe_f, pages, ld, nrows, pages_bf16, selected, nsel, scale, olat_f, lse,
+                      nthreads);
+    if (!bad) {
+        for (int64_t i = 0; i < N * H * R; i++) olat[i] = f32_to_bf16(olat_f[i]);
+        heads_linear(olat, N, H * R, R, H, R, w_uv, V, vals, nthreads);
+    }
+    free(qlat);
+    free(qlat_f);
+    return bad;
+}
+
+/* Store bf16 row v [width] at row `row` of pages (stride ld), bf16 or fp32. */
+static void store_row(void *pages, int pages_bf16, int64_t ld, int64_t row, const bf16 *v, int64_t width) {
+    for (int64_t c = 0; c < width; c++) {
+        if (pages_bf16)
+            ((bf16 *)pages)[row * ld + c] = v[c];
+        else
+            ((float *)pages)[row * ld + c] = bf16_to_f32(v[c]);
+    }
+}
+
+/* Every written and selected row lies below nrows. */
+static int rows_in_range(const int64_t *write_rows, const int64_t *selected, int64_t N, int64_t nsel,
+                         int64_t nrows) {
+    for (int64_t i = 0; i < N; i++) {
+        if (write_rows[i] >= nrows) return 0;
+        for (int64_t j = 0; j < nsel && selected[i * nsel + j] >= 0; j++)
+            if (selected[i * nsel + j] >= nrows) return 0;
+    }
+    return 1;
+}
+
 /* out = r + MLA(rmsnorm(x)) for N decode tokens of Kimi's dense NoPE MLA (layers/mla.py: q_proj, kv_a_proj and
- * its norm, the cache row [c | k_pe] written at write_rows[i] (< 0: not written), the query absorbed per head by
- * W_UK, QSFA over the rows selected[i, :] (up to the first -1; every row of the sequence so far), W_UV per head,
- * o_proj). pages [nrows, R + RHO] at row stride ld, bf16 (pages_bf16) or fp32. W_UK^T [H, R, N] and W_UV
- * [H, V, R] packed per head. x, r (NULL: none) and out [N, D] bf16 contiguous. Returns 0, or -1 (nothing
- * computed) when a selected or written row is not below nrows. */
+ * its norm, the cache row [c | k_pe] written at write_rows[i] (< 0: not written), then `attend_absorbed` over every
+ * row of the sequence so far, o_proj). pages [nrows, R + RHO] at row stride ld, bf16 (pages_bf16) or fp32. W_UK^T
+ * [H, R, N] and W_UV [H, V, R] packed per head. x, r (NULL: none) and out [N, D] bf16 contiguous. Returns 0, or
+ * -1 (nothing written) when a selected or written row is not below nrows. */
 int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
                  const int64_t *selected, int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld,
                  int64_t nrows, int pages_bf16, bf16 *out, int nthreads) {
     int64_t D = desc[AB_D], H = desc[AB_H], NOPE = desc[AB_N], RHO = desc[AB_RHO], V = desc[AB_V], R = desc[AB_R];
     int64_t QW = H * (NOPE + RHO), CW = R + RHO;
-    for (int64_t i = 0; i < N; i++) {
-        if (write_rows[i] >= nrows) return -1;
-        for (int64_t j = 0; j < nsel && selected[i * nsel + j] >= 0; j++)
-            if (selected[i * nsel + j] >= nrows) return -1;
-    }
-    bf16 *x = malloc(sizeof(bf16) * (size_t)(N * (D + QW + CW + R + 2 * H * R + H * V + D)));
-    bf16 *q = x + N * D, *ckv = q + N * QW, *cn = ckv + N * CW, *qlat = cn + N * R, *olat = qlat + N * H * R;
-    bf16 *vals = olat + N * H * R, *a = vals + N * H * V;
-    float *qlat_f = malloc(sizeof(float) * (size_t)(N * H * (2 * R + RHO + 1))), *qpe_f = qlat_f + N * H * R;
-    float *olat_f = qpe_f + N * H * RHO, *lse = olat_f + N * H * R;
-    int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(7 * H));
-    int bad = 0;
+    if (!rows_in_range(write_rows, selected, N, nsel, nrows)) return -1;
+    bf16 *x = malloc(sizeof(bf16) * (size_t)(N * (D + QW + 2 * CW + H * V + D)));
+    bf16 *q = x + N * D, *ckv = q + N * QW, *row = ckv + N * CW, *vals = row + N * CW, *a = vals + N * H * V;
 
     ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[AB_NORM_W], fdesc[ABF_EPS], x, nthreads);
     int64_t proj[14] = {desc[AB_W_Q], -1, QW, (int64_t)q, QW, (int64_t)x, D,
                         desc[AB_W_KVA], -1, CW, (int64_t)ckv, CW, (int64_t)x, D};
     ds_linear_bf16(N, D, 2, proj, nthreads);
-    ds_rmsnorm_bf16(ckv, N, R, CW, (const bf16 *)desc[AB_KVA_NORM_W], fdesc[ABF_KVA_EPS], cn, nthreads);
-    for (int64_t i = 0; i < N; i++) { /* the cache row [c | k_pe] into the pages */
-        if (write_rows[i] < 0) continue;
-        for (int64_t c = 0; c < CW; c++) {
-            bf16 v = c < R ? cn[i * R + c] : ckv[i * CW + c];
-            if (pages_bf16)
-                ((bf16 *)pages)[write_rows[i] * ld + c] = v;
-            else
-                ((float *)pages)[write_rows[i] * ld + c] = bf16_to_f32(v);
-        }
+    ds_rmsnorm_bf16(ckv, N, R, CW, (const bf16 *)desc[AB_KVA_NORM_W], fdesc[ABF_KVA_EPS], row, nthreads);
+    for (int64_t i = N - 1; i >= 0; i--) { /* rows [c | k_pe]: c came out packed [N, R], spread it from the back */
+        memmove(row + i * CW, row + i * R, sizeof(bf16) * (size_t)R);
+        memcpy(row + i * CW + R, ckv + i * CW + R, sizeof(bf16) * (size_t)RHO);
     }
-    for (int64_t h = 0; h < H; h++) { /* q_lat[:, h] = q_nope[:, h] W_UK[h] */
-        int64_t *t = tasks + 7 * h;
-        t[0] = desc[AB_W_UK] + 2 * h * ((R + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(NOPE));
-        t[1] = -1, t[2] = R, t[3] = (int64_t)(qlat + h * R), t[4] = H * R;
-        t[5] = (int64_t)(q + h * (NOPE + RHO)), t[6] = QW;
-    }
-    ds_linear_bf16(N, NOPE, H, tasks, nthreads);
-    for (int64_t i = 0; i < N * H; i++) {
-        for (int64_t c = 0; c < R; c++) qlat_f[i * R + c] = bf16_to_f32(qlat[i * R + c]);
-        for (int64_t c = 0; c < RHO; c++) qpe_f[i * RHO + c] = bf16_to_f32(q[i * (NOPE + RHO) + NOPE + c]);
-    }
-    bad = ds_qsfa(N, H, R, RHO, qlat_f, qpe_f, pages, ld, nrows, pages_bf16, selected, nsel, fdesc[ABF_SCALE],
-                  olat_f, lse, nthreads);
+    for (int64_t i = 0; i < N; i++)
+        if (write_rows[i] >= 0) store_row(pages, pages_bf16, ld, write_rows[i], row + i * CW, CW);
+    int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, desc[AB_W_UK], desc[AB_W_UV], selected, nsel, pages, ld,
+                              nrows, pages_bf16, fdesc[ABF_SCALE], vals, nthreads);
     if (!bad) {
-        for (int64_t i = 0; i < N * H * R; i++) olat[i] = f32_to_bf16(olat_f[i]);
-        for (int64_t h = 0; h < H; h++) { /* vals[:, h] = out_lat[:, h] W_UV[h]^T */
-            int64_t *t = tasks + 7 * h;
-            t[0] = desc[AB_W_UV] + 2 * h * ((V + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(R));
-            t[1] = -1, t[2] = V, t[3] = (int64_t)(vals + h * V), t[4] = H * V;
-            t[5] = (int64_t)(olat + h * R), t[6] = H * R;
-        }
-        ds_linear_bf16(N, R, H, tasks, nthreads);
         int64_t o_task[7] = {desc[AB_W_O], -1, D, (int64_t)a, D, (int64_t)vals, H * V};
         ds_linear_bf16(N, H * V, 1, o_task, nthreads);
         residual_add(r, a, N * D, out);
     }
     free(x);
-    free(qlat_f);
-    free(tasks);
+    return bad;
+}
+
+enum { DB_D, DB_H, DB_N, DB_RHO, DB_V, DB_R, DB_RQ, DB_NA, DB_G, DB_DI, DB_NORM_W, DB_W_A, DB_QA_NORM_W, DB_W_QB,
+       DB_KVA_NORM_W, DB_IK_NORM_W, DB_IK_NORM_B, DB_W_UK, DB_W_UV, DB_W_O };
+enum { DBF_EPS, DBF_Q_EPS, DBF_KV_EPS, DBF_INDEX_EPS, DBF_SCALE };
+
+/* out = r + DSA(rmsnorm(x)) for N decode tokens of K3's NoPE DSA layer when the indexer's top-k covers every row
+ * of each sequence (its scores would select them all: ops/qli.py), so only its key is computed and stored.
+ * layers/mla.py + ops/mlapo.py: one product on the stacked w_a [q_a (RQ) | kv_a (R + RHO) | gate (G, or none) |
+ * index wk (DI) | index weights (H_I)] (NA outputs), q_a's RMSNorm and q_b, kv_a's RMSNorm, the index key's
+ * LayerNorm (fp32 statistics, bf16 weight and bias); the latent row [c | k_pe] and the key written at write_rows[i]
+ * (< 0: not written) into pages [nrows, R + RHO] (stride ld) and keys [nrows, DI] (stride ldk), bf16 or fp32 each;
+ * `attend_absorbed` over selected; the heads' values gated by sigmoid(gate) (G > 0); o_proj. x, r (NULL: none) and
+ * out [N, D] bf16 contiguous. Equal to the modules up to fp32 rounding (the LayerNorm statistics and the sigmoid
+ * are computed in another order). Returns 0, or -1 (nothing written) when a row is not below nrows. */
+int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
+                 const int64_t *selected, int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld,
+                 int64_t nrows, int pages_bf16, void *keys, int64_t ldk, int keys_bf16, bf16 *out, int nthreads) {
+    int64_t D = desc[DB_D], H = desc[DB_H], NOPE = desc[DB_N], RHO = desc[DB_RHO], V = desc[DB_V], R = desc[DB_R];
+    int64_t RQ = desc[DB_RQ], NA = desc[DB_NA], G = desc[DB_G], DI = desc[DB_DI];
+    int64_t QW = H * (NOPE + RHO), CW = R + RHO, KV0 = RQ, G0 = RQ + CW, K0 = G0 + G;
+    if (!rows_in_range(write_rows, selected, N, nsel, nrows)) return -1;
+    bf16 *x = malloc(sizeof(bf16) * (size_t)(N * (D + NA + RQ + QW + CW + DI + 2 * H * V + D)));
+    bf16 *A = x + N * D, *cq = A + N * NA, *q = cq + N * RQ, *row = q + N * QW, *ik = row + N * CW;
+    bf16 *vals = ik + N * DI, *gated = vals + N * H * V, *a = gated + N * H * V;
+
+    ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[DB_NORM_W], fdesc[DBF_EPS], x, nthreads);
+    int64_t wa_task[7] = {desc[DB_W_A], -1, NA, (int64_t)A, NA, (int64_t)x, D};
+    ds_linear_bf16(N, D, 1, wa_task, nthreads);
+    ds_rmsnorm_bf16(A, N, RQ, NA, (const bf16 *)desc[DB_QA_NORM_W], fdesc[DBF_Q_EPS], cq, nthreads);
+    int64_t qb_task[7] = {desc[DB_W_QB], -1, QW, (int64_t)q, QW, (int64_t)cq, RQ};
+    ds_linear_bf16(N, RQ, 1, qb_task, nthreads);
+    ds_rmsnorm_bf16(A + KV0, N, R, NA, (const bf16 *)desc[DB_KVA_NORM_W], fdesc[DBF_KV_EPS], row, nthreads);
+    for (int64_t i = N - 1; i >= 0; i--) { /* rows [c | k_pe], as in ds_mla_block */
+        memmove(row + i * CW, row + i * R, sizeof(bf16) * (size_t)R);
+        memcpy(row + i * CW + R, A + i * NA + KV0 + R, sizeof(bf16) * (size_t)RHO);
+    }
+    const bf16 *kw = (const bf16 *)desc[DB_IK_NORM_W], *kb = (const bf16 *)desc[DB_IK_NORM_B];
+    for (int64_t i = 0; i < N; i++) { /* the index key: LayerNorm with fp32 statistics */
+        const bf16 *k = A + i * NA + K0;
+        float mean = 0.f, var = 0.f;
+        for (int64_t c = 0; c < DI; c++) mean += bf16_to_f32(k[c]);
+        mean /= (float)DI;
+        for (int64_t c = 0; c < DI; c++) var += (bf16_to_f32(k[c]) - mean) * (bf16_to_f32(k[c]) - mean);
+        float rstd = 1.f / sqrtf(var / (float)DI + fdesc[DBF_INDEX_EPS]);
+        for (int64_t c = 0; c < DI; c++)
+            ik[i * DI + c] = f32_to_bf16((bf16_to_f32(k[c]) - mean) * rstd * bf16_to_f32(kw[c]) + bf16_to_f32(kb[c]));
+    }
+    for (int64_t i = 0; i < N; i++) {
+        if (write_rows[i] < 0) continue;
+        store_row(pages, pages_bf16, ld, write_rows[i], row + i * CW, CW);
+        store_row(keys, keys_bf16, ldk, write_rows[i], ik + i * DI, DI);
+    }
+    int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, desc[DB_W_UK], desc[DB_W_UV], selected, nsel, pages, ld,
+                              nrows, pages_bf16, fdesc[DBF_SCALE], vals, nthreads);
+    if (!bad) {
+        const bf16 *o = vals;
+        if (G > 0) { /* bf16(vals * sigmoid(gate)) in fp32 */
+            for (int64_t i = 0; i < N; i++)
+                for (int64_t c = 0; c < H * V; c++) {
+                    float g = bf16_to_f32(A[i * NA + G0 + c]);
+                    gated[i * H * V + c] = f32_to_bf16(bf16_to_f32(vals[i * H * V + c]) * (1.f / (1.f + expf(-g))));
+                }
+            o = gated;
+        }
+        int64_t o_task[7] = {desc[DB_W_O], -1, D, (int64_t)a, D, (int64_t)o, H * V};
+        ds_linear_bf16(N, H * V, 1, o_task, nthreads);
+        residual_add(r, a, N * D, out);
+    }
+    free(x);
     return bad;
 }
