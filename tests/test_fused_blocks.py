@@ -162,9 +162,10 @@ def test_native_router_rejects_an_impossible_top_k():
         native.router_bf16(x, torch.randn(4, 8), torch.zeros(4), 5, False, 1, 1, True, 1.0)
 
 
-def test_engine_decode_runs_through_the_blocks(make_checkpoint, monkeypatch):
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny"])
+def test_engine_decode_runs_through_the_blocks(make_checkpoint, monkeypatch, preset):
     """A bf16 engine's decode steps take the fused blocks, and its greedy tokens are those of the modules."""
-    path = make_checkpoint("kimi-linear-tiny")
+    path = make_checkpoint(preset)
     taken = []
 
     def counted(block):
