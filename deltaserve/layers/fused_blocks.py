@@ -4,15 +4,15 @@
 At batch 1 a kimi-linear-small step spent about as long in the Python and torch glue between the native kernels
 (~10 calls and ~40 small ops a layer: norms, projections, gate math, views, the router's dozen ops, the residual
 adds) as in the kernels themselves. A fused block runs the same kernels in the same order from C, so its output
-equals the modules' bit for bit: the modules' forward is its twin (tests/test_fused_blocks.py). K3's DSA block is
+equals the modules' bit for bit: the modules' forward is its twin (tests/test_fused_blocks.py). The DSA block is
 the exception: its index-key LayerNorm and output-gate sigmoid are computed in C, equal to fp32 rounding.
 
 A block applies when every part it composes runs on the native kernels (`native` switched on, bf16, unquantised)
-and the step is small: KDA attention, Kimi's dense NoPE MLA over paged bf16/fp32 latents, or K3's NoPE DSA layer
-while the indexer's top-k covers every sequence's whole context (then it selects every row: only its key is
-computed and stored), on a pure decode step of at most `LINEAR_MAX_ROWS` sequences; a MoE or dense-MLP FFN over
-at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS` for K3's latent MoE, whose down and up projections are plain
-linears). Otherwise the calls return None and the layer runs its modules.
+and the step is small: KDA attention, Kimi's dense NoPE MLA over paged bf16/fp32 latents, or a DSA layer (K3's
+NoPE, DeepSeek-V3.2's RoPE) while the indexer's top-k covers every sequence's whole context (then it selects every
+row: only its key is computed and stored), on a pure decode step of at most `LINEAR_MAX_ROWS` sequences; a MoE
+or dense-MLP FFN over at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS` for K3's latent MoE, whose down and up
+projections are plain linears). Otherwise the calls return None and the layer runs its modules.
 
 Each layer keeps a `BlockPlans`: per block, gathered at its first decode step, the modules whose `native` switches
 it needs (read on every call), the weights it reads and its descriptor (dimensions and the packed weights'
@@ -198,10 +198,11 @@ def _run_mla(plan: _Plan, desc: _Descriptor, x: torch.Tensor, batch: StepBatch,
 
 
 def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> _Plan | None:
-    """K3's DSA layer (NoPE, query LoRA) on the MLAPO path with bf16 weights and norms."""
+    """A DSA layer with query LoRA on the MLAPO path (K3's NoPE; DeepSeek-V3.2's RoPE, the indexer's rotated part
+    as wide as the MLA's) with bf16 weights and norms."""
     c = attn.config
-    if (attn.rotary is not None or c.q_lora_rank is None or not attn._fusable()
-            or not _has_switches(attn, norm, attn.o_proj)):
+    if (c.q_lora_rank is None or not attn._fusable() or not _has_switches(attn, norm, attn.o_proj)
+            or attn.indexer.rope_dim not in (0, attn.rho) or (attn.rotary is not None and not c.uses_rope)):
         return None
     ix = attn.indexer
     if not all(t.dtype == torch.bfloat16 for t in (attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight,
@@ -222,7 +223,7 @@ def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> _Descriptor | None:
             W.kv_a_norm, W.index_k_norm_weight, W.index_k_norm_bias]
     c = attn.config
     ints = [c.hidden_size, attn.H, attn.n, attn.rho, attn.v, attn.r, c.q_lora_rank, sum(W.split_a),
-            attn.H * attn.v if W.g_proj is not None else 0, W.index_head_dim, norm.weight.data_ptr(),
+            attn.H * attn.v if W.g_proj is not None else 0, W.index_head_dim, W.index_rope_dim, norm.weight.data_ptr(),
             W.packed["w_a"].data_ptr(), W.q_a_norm.data_ptr(), W.packed["q_b_proj"].data_ptr(),
             W.kv_a_norm.data_ptr(), W.index_k_norm_weight.data_ptr(), W.index_k_norm_bias.data_ptr(),
             W.packed["w_uk_t"].data_ptr(), w_uv.data_ptr(), w_o.data_ptr()]
@@ -248,13 +249,14 @@ def _run_dsa(plan: _Plan, desc: _Descriptor, x: torch.Tensor, batch: StepBatch,
                                   and _page_rows(keys, attn.indexer.head_dim)):
         return None
     write_rows = batch.write_rows.to(torch.int64).contiguous()
+    cos_sin = torch.stack(attn.rotary.cos_sin(batch.positions)).float().contiguous() if attn.rotary else None
     out = torch.empty_like(x)
     if native.native_library().ds_dsa_block(desc.ints_address, desc.floats_address, x.data_ptr(),
                                             _address(residual), x.shape[0], context_rows.data_ptr(),
                                             context_rows.shape[1], write_rows.data_ptr(), latent.data_ptr(),
                                             latent.stride(0), latent.shape[0], latent.dtype == torch.bfloat16,
                                             keys.data_ptr(), keys.stride(0), keys.dtype == torch.bfloat16,
-                                            out.data_ptr(), torch.get_num_threads()):
+                                            _address(cos_sin), out.data_ptr(), torch.get_num_threads()):
         raise IndexError(f"fused DSA block: a cache row lies outside the {latent.shape[0]} page rows")
     return out
 

@@ -98,7 +98,7 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_mla_block.argtypes = [_P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, ctypes.c_int, _P, ctypes.c_int]
     lib.ds_mla_block.restype = ctypes.c_int
     lib.ds_dsa_block.argtypes = [_P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, ctypes.c_int, _P, _I, ctypes.c_int, _P,
-                                 ctypes.c_int]
+                                 _P, ctypes.c_int]
     lib.ds_dsa_block.restype = ctypes.c_int
     lib.ds_attn_res_mix.argtypes = [_P, _I, _I, _I, _P, _P, _F, _P, ctypes.c_int]
     lib.ds_attn_res_mix.restype = None

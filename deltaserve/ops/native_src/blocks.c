@@ -230,11 +230,27 @@ int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     return bad;
 }
 
-enum { DB_D, DB_H, DB_N, DB_RHO, DB_V, DB_R, DB_RQ, DB_NA, DB_G, DB_DI, DB_NORM_W, DB_W_A, DB_QA_NORM_W, DB_W_QB,
-       DB_KVA_NORM_W, DB_IK_NORM_W, DB_IK_NORM_B, DB_W_UK, DB_W_UV, DB_W_O };
+enum { DB_D, DB_H, DB_N, DB_RHO, DB_V, DB_R, DB_RQ, DB_NA, DB_G, DB_DI, DB_IROPE, DB_NORM_W, DB_W_A, DB_QA_NORM_W,
+       DB_W_QB, DB_KVA_NORM_W, DB_IK_NORM_W, DB_IK_NORM_B, DB_W_UK, DB_W_UV, DB_W_O };
+
+/* RoPE on bf16 x in place with cos/sin [half] fp32, each product and sum rounded as torch's separate ops
+ * (layers/rope.py): interleaved pairs (2j, 2j+1), laid out [rotated evens | rotated odds]; or half-split pairs
+ * (j, j + half). */
+static void rope_bf16(bf16 *x, const float *c, const float *s, int64_t half, int interleaved) {
+    float a[256], b[256];
+    for (int64_t j = 0; j < half; j++) {
+        a[j] = bf16_to_f32(x[interleaved ? 2 * j : j]);
+        b[j] = bf16_to_f32(x[interleaved ? 2 * j + 1 : half + j]);
+    }
+    for (int64_t j = 0; j < half; j++) {
+        float ac = a[j] * c[j], bs = b[j] * s[j], bc = b[j] * c[j], as = a[j] * s[j];
+        x[j] = f32_to_bf16(ac - bs);
+        x[half + j] = f32_to_bf16(bc + as);
+    }
+}
 enum { DBF_EPS, DBF_Q_EPS, DBF_KV_EPS, DBF_INDEX_EPS, DBF_SCALE };
 
-/* out = r + DSA(rmsnorm(x)) for N decode tokens of K3's NoPE DSA layer when the indexer's top-k covers every row
+/* out = r + DSA(rmsnorm(x)) for N decode tokens of a DSA layer (query LoRA) when the indexer's top-k covers every row
  * of each sequence (its scores would select them all: ops/qli.py), so only its key is computed and stored.
  * layers/mla.py + ops/mlapo.py: one product on the stacked w_a [q_a (RQ) | kv_a (R + RHO) | gate (G, or none) |
  * index wk (DI) | index weights (H_I)] (NA outputs), q_a's RMSNorm and q_b, kv_a's RMSNorm, the index key's
@@ -242,14 +258,18 @@ enum { DBF_EPS, DBF_Q_EPS, DBF_KV_EPS, DBF_INDEX_EPS, DBF_SCALE };
  * (< 0: not written) into pages [nrows, R + RHO] (stride ld) and keys [nrows, DI] (stride ldk), bf16 or fp32 each;
  * `attend_absorbed` over selected; the heads' values gated by sigmoid(gate) (G > 0); o_proj. x, r (NULL: none) and
  * out [N, D] bf16 contiguous. Equal to the modules up to fp32 rounding (the LayerNorm statistics and the sigmoid
- * are computed in another order). Returns 0, or -1 (nothing written) when a row is not below nrows. */
+ * are computed in another order). With cos_sin ([2][N][RHO / 2] fp32: DeepSeek-V3.2's RoPE at the tokens'
+ * positions; NULL for K3's NoPE) q_pe and k_pe are rotated interleaved and the index key's first IROPE dims
+ * half-split, as ops/mlapo.py does. Returns 0, or -1 (nothing written) when a row is not below nrows or a
+ * rotation is wider than 512. */
 int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
                  const int64_t *selected, int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld,
-                 int64_t nrows, int pages_bf16, void *keys, int64_t ldk, int keys_bf16, bf16 *out, int nthreads) {
+                 int64_t nrows, int pages_bf16, void *keys, int64_t ldk, int keys_bf16, const float *cos_sin,
+                 bf16 *out, int nthreads) {
     int64_t D = desc[DB_D], H = desc[DB_H], NOPE = desc[DB_N], RHO = desc[DB_RHO], V = desc[DB_V], R = desc[DB_R];
     int64_t RQ = desc[DB_RQ], NA = desc[DB_NA], G = desc[DB_G], DI = desc[DB_DI];
-    int64_t QW = H * (NOPE + RHO), CW = R + RHO, KV0 = RQ, G0 = RQ + CW, K0 = G0 + G;
-    if (!rows_in_range(write_rows, selected, N, nsel, nrows)) return -1;
+    int64_t QW = H * (NOPE + RHO), CW = R + RHO, KV0 = RQ, G0 = RQ + CW, K0 = G0 + G, IROPE = desc[DB_IROPE];
+    if (!rows_in_range(write_rows, selected, N, nsel, nrows) || RHO > 512 || IROPE > 512) return -1;
     bf16 *x = malloc(sizeof(bf16) * (size_t)(N * (D + NA + RQ + QW + CW + DI + 2 * H * V + D)));
     bf16 *A = x + N * D, *cq = A + N * NA, *q = cq + N * RQ, *row = q + N * QW, *ik = row + N * CW;
     bf16 *vals = ik + N * DI, *gated = vals + N * H * V, *a = gated + N * H * V;
@@ -275,6 +295,12 @@ int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
         float rstd = 1.f / sqrtf(var / (float)DI + fdesc[DBF_INDEX_EPS]);
         for (int64_t c = 0; c < DI; c++)
             ik[i * DI + c] = f32_to_bf16((bf16_to_f32(k[c]) - mean) * rstd * bf16_to_f32(kw[c]) + bf16_to_f32(kb[c]));
+    }
+    for (int64_t i = 0; cos_sin != NULL && i < N; i++) { /* RoPE at token i's position */
+        const float *c = cos_sin + i * (RHO / 2), *sn = cos_sin + (N + i) * (RHO / 2);
+        for (int64_t h = 0; h < H; h++) rope_bf16(q + i * QW + h * (NOPE + RHO) + NOPE, c, sn, RHO / 2, 1);
+        rope_bf16(row + i * CW + R, c, sn, RHO / 2, 1);
+        if (IROPE > 0) rope_bf16(ik + i * DI, c, sn, IROPE / 2, 0);
     }
     for (int64_t i = 0; i < N; i++) {
         if (write_rows[i] < 0) continue;
