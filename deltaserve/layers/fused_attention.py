@@ -1,0 +1,198 @@
+"""The attention side of the fused decode blocks (layers/fused_blocks.py): KDA, Kimi's dense NoPE MLA and DSA
+layers, each a plan (modules, switches, weights, descriptor builder) and a runner that checks the step and calls its
+native block (native_src/blocks.c)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ops import native
+from .batch import StepBatch
+from .fused_plan import Descriptor, Plan, address, has_switches, native_pack
+from .kda import KimiDeltaAttention
+from .mla import MLAttention
+from .native_path import LINEAR_MAX_ROWS
+from .norm import RMSNorm
+
+
+def attention_plan(attn: torch.nn.Module, norm: RMSNorm) -> Plan | None:
+    """The plan of a layer's attention block, or None when its kind or parts cannot be fused."""
+    if isinstance(attn, KimiDeltaAttention):
+        return _kda_plan(attn, norm)
+    if isinstance(attn, MLAttention):
+        return _mla_plan(attn, norm) if attn.indexer is None else _dsa_plan(attn, norm)
+    return None
+
+
+def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> Descriptor:
+    """native_src/blocks.c KB_* / KBF_* order."""
+    c = attn.config
+    w_in = attn._inputs.get_native([m.weight for m in attn.input_linears()])
+    w_fb, w_o = native_pack(attn.f_b_proj), native_pack(attn.o_proj)
+    w_gb = None if c.kda_full_rank_gate else native_pack(attn.g_b_proj)
+    dt_bias, a_log = attn.dt_bias.detach().float().contiguous(), attn.A_log.detach().float().contiguous()
+    conv_w, o_norm = attn._conv_weight(), attn.o_norm.weight.detach().float().contiguous()
+    n_in = sum(m.out_features for m in attn.input_linears())
+    keep = [t for t in (norm.weight, w_in, w_fb, w_gb, dt_bias, a_log, conv_w, o_norm, w_o) if t is not None]
+    ints = [c.hidden_size, attn.H, attn.K, attn.W, n_in, norm.weight.data_ptr(), w_in.data_ptr(), w_fb.data_ptr(),
+            0 if w_gb is None else w_gb.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), conv_w.data_ptr(),
+            o_norm.data_ptr(), w_o.data_ptr()]
+    lower = c.kda_gate_lower_bound
+    return Descriptor(ints, [norm.eps, c.rms_norm_eps, math.nan if lower is None else lower, attn.K ** -0.5], keep)
+
+
+def _slot_pools(attn: KimiDeltaAttention, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's conv and recurrent slot pools when they are in the layout the block reads."""
+    pool = batch.cache.kda_slot_pool(attn.layer)
+    if pool is None:
+        return None
+    conv, rec = pool
+    P, W, K = attn.P, attn.W, attn.K
+    if (conv.dtype != torch.float32 or rec.dtype != torch.float32 or conv.device.type != "cpu"
+            or conv.stride()[1:] != (P * (W - 1), W - 1, 1) or rec.stride()[1:] != (K * K, K, 1)):
+        return None
+    return conv, rec
+
+
+def _kda_plan(attn: KimiDeltaAttention, norm: RMSNorm) -> Plan | None:
+    linears = [*attn.input_linears(), attn.f_b_proj, attn.o_proj]
+    if not attn.config.kda_full_rank_gate:
+        linears.append(attn.g_b_proj)
+    if not has_switches(attn, norm, *linears):
+        return None
+    sources = [norm.weight, attn.dt_bias, attn.A_log, attn.o_norm.weight, *(m.weight for m in linears),
+               *(conv.weight for conv in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d))]
+    return Plan(attn, [attn, norm, *linears], sources, lambda: _kda_descriptor(attn, norm), LINEAR_MAX_ROWS,
+                 _run_kda)
+
+
+def _run_kda(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
+             residual: torch.Tensor | None) -> torch.Tensor | None:
+    slots = batch.decode_slots
+    if slots is None or slots.numel() != x.shape[0]:
+        return None
+    pools = _slot_pools(plan.module, batch)
+    if pools is None:
+        return None
+    conv, rec = pools
+    out = torch.empty_like(x)
+    native.native_library().ds_kda_block(desc.ints_address, desc.floats_address, x.data_ptr(), address(residual),
+                                         x.shape[0], slots.data_ptr(), conv.data_ptr(), conv.stride(0),
+                                         rec.data_ptr(), rec.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _mla_linears(attn: MLAttention) -> list[torch.nn.Module] | None:
+    """q_proj, kv_a_proj, kv_a_layernorm, kv_b_proj and o_proj of the MLA form the block computes (Kimi's: no
+    query LoRA, no RoPE, no output gate, no indexer), else None."""
+    c = attn.config
+    if attn.indexer is not None or attn.rotary is not None or c.q_lora_rank is not None or c.mla_use_output_gate:
+        return None
+    return [attn.q_proj, attn.kv_a_proj_with_mqa, attn.kv_a_layernorm, attn.kv_b_proj, attn.o_proj]
+
+
+def _mla_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor:
+    """native_src/blocks.c AB_* / ABF_* order."""
+    w_q, w_kva, w_o = native_pack(attn.q_proj), native_pack(attn.kv_a_proj_with_mqa), native_pack(attn.o_proj)
+    w_uk, w_uv = attn._kv_b_native()
+    kva_norm = attn.kv_a_layernorm
+    keep = [norm.weight, w_q, w_kva, kva_norm.weight, w_uk, w_uv, w_o]
+    ints = [attn.config.hidden_size, attn.H, attn.n, attn.rho, attn.v, attn.r, norm.weight.data_ptr(),
+            w_q.data_ptr(), w_kva.data_ptr(), kva_norm.weight.data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(),
+            w_o.data_ptr()]
+    return Descriptor(ints, [norm.eps, kva_norm.eps, attn.scale], keep)
+
+
+def _mla_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
+    parts = _mla_linears(attn)
+    if parts is None or not has_switches(attn, norm, *parts):
+        return None
+    return Plan(attn, [attn, norm, *parts], [norm.weight, *(m.weight for m in parts)],
+                 lambda: _mla_descriptor(attn, norm), LINEAR_MAX_ROWS, _run_mla)
+
+
+def _run_mla(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
+             residual: torch.Tensor | None) -> torch.Tensor | None:
+    attn = plan.module
+    context_rows = batch.decode_context_rows
+    if context_rows is None or batch.write_rows is None:
+        return None
+    latent = batch.cache.mla_pages(attn.layer)[0]
+    if not (isinstance(latent, torch.Tensor) and latent.dtype in (torch.bfloat16, torch.float32)
+            and latent.device.type == "cpu" and latent.stride(-1) == 1 and latent.shape[-1] == attn.r + attn.rho):
+        return None
+    write_rows = batch.write_rows.to(torch.int64).contiguous()
+    out = torch.empty_like(x)
+    if native.native_library().ds_mla_block(desc.ints_address, desc.floats_address, x.data_ptr(),
+                                            address(residual), x.shape[0], context_rows.data_ptr(),
+                                            context_rows.shape[1], write_rows.data_ptr(), latent.data_ptr(),
+                                            latent.stride(0), latent.shape[0], latent.dtype == torch.bfloat16,
+                                            out.data_ptr(), torch.get_num_threads()):
+        raise IndexError(f"fused MLA block: a cache row lies outside the {latent.shape[0]} page rows")
+    return out
+
+
+def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
+    """A DSA layer with query LoRA on the MLAPO path (K3's NoPE; DeepSeek-V3.2's RoPE, the indexer's rotated part
+    as wide as the MLA's) with bf16 weights and norms."""
+    c = attn.config
+    if (c.q_lora_rank is None or not attn._fusable() or not has_switches(attn, norm, attn.o_proj)
+            or attn.indexer.rope_dim not in (0, attn.rho) or (attn.rotary is not None and not c.uses_rope)):
+        return None
+    ix = attn.indexer
+    if not all(t.dtype == torch.bfloat16 for t in (attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight,
+                                                   ix.k_norm.weight, ix.k_norm.bias)):
+        return None
+    attn._fused_weights()  # gathers the layer's parameters: the block's sources
+    return Plan(attn, [attn, norm, attn.o_proj], [norm.weight, *attn._mlapo_sources],
+                 lambda: _dsa_descriptor(attn, norm), LINEAR_MAX_ROWS, _run_dsa)
+
+
+def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor | None:
+    """native_src/blocks.c DB_* / DBF_* order; None when the MLAPO weights have no native packs."""
+    W = attn._fused_weights()
+    if not {"w_a", "q_b_proj", "w_uk_t"} <= set(W.packed):
+        return None
+    w_uv, w_o = attn._kv_b_native()[1], native_pack(attn.o_proj)
+    keep = [norm.weight, W.packed["w_a"], W.packed["q_b_proj"], W.packed["w_uk_t"], w_uv, w_o, W.q_a_norm,
+            W.kv_a_norm, W.index_k_norm_weight, W.index_k_norm_bias]
+    c = attn.config
+    ints = [c.hidden_size, attn.H, attn.n, attn.rho, attn.v, attn.r, c.q_lora_rank, sum(W.split_a),
+            attn.H * attn.v if W.g_proj is not None else 0, W.index_head_dim, W.index_rope_dim, norm.weight.data_ptr(),
+            W.packed["w_a"].data_ptr(), W.q_a_norm.data_ptr(), W.packed["q_b_proj"].data_ptr(),
+            W.kv_a_norm.data_ptr(), W.index_k_norm_weight.data_ptr(), W.index_k_norm_bias.data_ptr(),
+            W.packed["w_uk_t"].data_ptr(), w_uv.data_ptr(), w_o.data_ptr()]
+    floats = [norm.eps, c.mla_norm_eps, c.mla_norm_eps, c.index_norm_eps, attn.scale]
+    return Descriptor(ints, floats, keep)
+
+
+def _page_rows(t, width: int) -> bool:
+    """A plain bf16/fp32 CPU page tensor of rows of `width` (not an 8-bit cache)."""
+    return (isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float32) and t.device.type == "cpu"
+            and t.stride(-1) == 1 and t.shape[-1] == width)
+
+
+def _run_dsa(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
+             residual: torch.Tensor | None) -> torch.Tensor | None:
+    """Only when the indexer would select every row of every sequence (all contexts within its top-k)."""
+    attn = plan.module
+    meta, context_rows = batch.index_meta, batch.decode_context_rows
+    if meta is None or not meta.all_short or context_rows is None or batch.write_rows is None:
+        return None
+    latent, keys, scales = batch.cache.mla_pages(attn.layer)
+    if scales is not None or not (_page_rows(latent, attn.r + attn.rho)
+                                  and _page_rows(keys, attn.indexer.head_dim)):
+        return None
+    write_rows = batch.write_rows.to(torch.int64).contiguous()
+    cos_sin = torch.stack(attn.rotary.cos_sin(batch.positions)).float().contiguous() if attn.rotary else None
+    out = torch.empty_like(x)
+    if native.native_library().ds_dsa_block(desc.ints_address, desc.floats_address, x.data_ptr(),
+                                            address(residual), x.shape[0], context_rows.data_ptr(),
+                                            context_rows.shape[1], write_rows.data_ptr(), latent.data_ptr(),
+                                            latent.stride(0), latent.shape[0], latent.dtype == torch.bfloat16,
+                                            keys.data_ptr(), keys.stride(0), keys.dtype == torch.bfloat16,
+                                            address(cos_sin), out.data_ptr(), torch.get_num_threads()):
+        raise IndexError(f"fused DSA block: a cache row lies outside the {latent.shape[0]} page rows")
+    return out
