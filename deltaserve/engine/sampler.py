@@ -136,12 +136,12 @@ class Sampler:
             src = work if self.logprobs_mode == "penalized" else raw
             lp_rows = torch.log_softmax(src[want_lp], dim=-1)
 
-        tokens = torch.empty(batch, dtype=torch.long, device=work.device)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         rand = [i for i, s in enumerate(states) if not s.params.greedy]
-        if len(greedy) == batch:  # torch.argmax returns the first maximal index, i.e. ties go to the lowest id
-            tokens = work.argmax(dim=-1)
-        elif greedy:
+        # torch.argmax returns the first maximal index, i.e. ties go to the lowest id
+        tokens = work.argmax(dim=-1) if len(greedy) == batch else torch.empty(batch, dtype=torch.long,
+                                                                               device=work.device)
+        if greedy and rand:
             tokens[greedy] = work[greedy].argmax(dim=-1)
         if rand:
             probs = _filtered_probs(work[rand], [states[i].params for i in rand])

@@ -13,6 +13,12 @@ enum { KB_D, KB_H, KB_K, KB_W, KB_NIN, KB_NORM_W, KB_W_IN, KB_W_FB, KB_W_GB, KB_
        KB_ONORM_W, KB_W_O };
 enum { KBF_EPS, KBF_ONORM_EPS, KBF_LOWER_BOUND, KBF_SCALE };
 
+/* y [M, N] = x [M, K] (contiguous rows) @ W^T for one packed weight W [N, K]. */
+static void linear_1(const bf16 *x, int64_t M, int64_t K, const bf16 *packed, int64_t N, bf16 *y, int nthreads) {
+    int64_t task[7] = {(int64_t)packed, -1, N, (int64_t)y, N, (int64_t)x, K};
+    ds_linear_bf16(M, K, 1, task, nthreads);
+}
+
 /* out = bf16(r + a), or out = a when there is no r. */
 static void residual_add(const bf16 *r, const bf16 *a, int64_t n, bf16 *out) {
     if (r == NULL) {
@@ -39,8 +45,7 @@ void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, cons
     for (int64_t i = 0; i <= N; i++) cu[i] = i;
 
     ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[KB_NORM_W], fdesc[KBF_EPS], x, nthreads);
-    int64_t in_task[7] = {desc[KB_W_IN], -1, NIN, (int64_t)y, NIN, (int64_t)x, D};
-    ds_linear_bf16(N, D, 1, in_task, nthreads);
+    linear_1(x, N, D, (const bf16 *)desc[KB_W_IN], NIN, y, nthreads);
     const bf16 *f_a = y + 3 * P, *b = f_a + K, *g_in = b + H;
     int64_t gate_tasks[14] = {desc[KB_W_FB], -1, P, (int64_t)u, P, (int64_t)f_a, NIN,
                               desc[KB_W_GB], -1, P, (int64_t)gate, P, (int64_t)g_in, NIN};
@@ -53,8 +58,7 @@ void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, cons
                 fdesc[KBF_SCALE], rec, rec_stride, slots, core, nthreads);
     ds_gated_rmsnorm_bf16(core, N * H, K, gate, K, (const float *)desc[KB_ONORM_W], fdesc[KBF_ONORM_EPS], o,
                           nthreads);
-    int64_t o_task[7] = {desc[KB_W_O], -1, D, (int64_t)a, D, (int64_t)o, P};
-    ds_linear_bf16(N, P, 1, o_task, nthreads);
+    linear_1(o, N, P, (const bf16 *)desc[KB_W_O], D, a, nthreads);
     residual_add(r, a, N * D, out);
     free(x);
     free(g);
@@ -64,11 +68,6 @@ void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, cons
 enum { MB_D, MB_NORM_W, MB_E, MB_I, MB_K, MB_ROUTER_W, MB_BIAS, MB_SOFTMAX, MB_GROUPS, MB_TOPK_GROUP, MB_RENORM,
        MB_W1, MB_W3, MB_W2, MB_SHARED_I, MB_S1, MB_S3, MB_S2, MB_ACT, MB_LATENT, MB_W_DOWN, MB_LATENT_NORM_W, MB_W_UP };
 enum { MBF_EPS, MBF_SCALE, MBF_BETA, MBF_LIN_BETA, MBF_LATENT_EPS };
-
-static void linear_1(const bf16 *x, int64_t M, int64_t K, const bf16 *packed, int64_t N, bf16 *y, int nthreads) {
-    int64_t task[7] = {(int64_t)packed, -1, N, (int64_t)y, N, (int64_t)x, K};
-    ds_linear_bf16(M, K, 1, task, nthreads);
-}
 
 /* out = r + FFN(rmsnorm(x)) for T tokens, where FFN is routed experts (E > 0: the router on the normed x, then the
  * fused expert kernel over the packed stacks; with a latent width L > 0, K3's latent form: the experts run on
@@ -222,8 +221,7 @@ int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, desc[AB_W_UK], desc[AB_W_UV], selected, nsel, pages, ld,
                               nrows, pages_bf16, fdesc[ABF_SCALE], vals, nthreads);
     if (!bad) {
-        int64_t o_task[7] = {desc[AB_W_O], -1, D, (int64_t)a, D, (int64_t)vals, H * V};
-        ds_linear_bf16(N, H * V, 1, o_task, nthreads);
+        linear_1(vals, N, H * V, (const bf16 *)desc[AB_W_O], D, a, nthreads);
         residual_add(r, a, N * D, out);
     }
     free(x);
@@ -275,11 +273,9 @@ int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     bf16 *vals = ik + N * DI, *gated = vals + N * H * V, *a = gated + N * H * V;
 
     ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[DB_NORM_W], fdesc[DBF_EPS], x, nthreads);
-    int64_t wa_task[7] = {desc[DB_W_A], -1, NA, (int64_t)A, NA, (int64_t)x, D};
-    ds_linear_bf16(N, D, 1, wa_task, nthreads);
+    linear_1(x, N, D, (const bf16 *)desc[DB_W_A], NA, A, nthreads);
     ds_rmsnorm_bf16(A, N, RQ, NA, (const bf16 *)desc[DB_QA_NORM_W], fdesc[DBF_Q_EPS], cq, nthreads);
-    int64_t qb_task[7] = {desc[DB_W_QB], -1, QW, (int64_t)q, QW, (int64_t)cq, RQ};
-    ds_linear_bf16(N, RQ, 1, qb_task, nthreads);
+    linear_1(cq, N, RQ, (const bf16 *)desc[DB_W_QB], QW, q, nthreads);
     ds_rmsnorm_bf16(A + KV0, N, R, NA, (const bf16 *)desc[DB_KVA_NORM_W], fdesc[DBF_KV_EPS], row, nthreads);
     for (int64_t i = N - 1; i >= 0; i--) { /* rows [c | k_pe], as in ds_mla_block */
         memmove(row + i * CW, row + i * R, sizeof(bf16) * (size_t)R);
@@ -319,8 +315,7 @@ int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
                 }
             o = gated;
         }
-        int64_t o_task[7] = {desc[DB_W_O], -1, D, (int64_t)a, D, (int64_t)o, H * V};
-        ds_linear_bf16(N, H * V, 1, o_task, nthreads);
+        linear_1(o, N, H * V, (const bf16 *)desc[DB_W_O], D, a, nthreads);
         residual_add(r, a, N * D, out);
     }
     free(x);
