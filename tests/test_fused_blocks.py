@@ -16,44 +16,13 @@ from deltaserve.layers.kda import KimiDeltaAttention
 from deltaserve.layers.moe import MoE, Router
 from deltaserve.layers.native_path import enable_native_kernels
 from deltaserve.models import base
-from deltaserve.models.loader import load_config, load_model
+from deltaserve.models.loader import load_config
 from deltaserve.ops import native
 from deltaserve.ops.kda_native import kda_gate_beta, kda_gate_beta_ref
-from deltaserve.ops.qli import build_index_meta
+from block_utils import decode_batch, native_model, twin_caches
 from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
 
 pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
-
-
-def _native_model(path):
-    model = load_model(path, dtype="bfloat16")
-    assert enable_native_kernels(model) > 0
-    return model
-
-
-def _caches(model, seed: int) -> list[PagedCache]:
-    """Two caches with the same random KDA states and latent pages (room for 4 sequences of 16 tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    caches = [PagedCache(PagePool(model.config, 4, 16, torch.bfloat16), StateSlots(model.config, 5)) for _ in "ab"]
-    pools = [(c.states.conv, c.states.recurrent, *(c.pages.latent_rows(l) for l in c.pages.latent)) for c in caches]
-    for first, second in zip(*pools):
-        init = (torch.randn(first.shape, generator=g) * 0.1).to(first.dtype)
-        first.copy_(init)
-        second.copy_(init)
-    return caches
-
-
-def _decode_batch(cache: PagedCache, slots: list[int], position: int, config) -> StepBatch:
-    """Sequence i (state slot slots[i]) owns page i and decodes its token at position + i (contexts differ); DSA
-    models get the step's indexer metadata."""
-    N = len(slots)
-    positions = [position + i for i in range(N)]
-    handles = [SeqHandle(s, torch.arange(16 * i, 16 * i + p + 1)) for i, (s, p) in enumerate(zip(slots, positions))]
-    write_rows = torch.tensor([16 * i + p for i, p in enumerate(positions)])
-    meta = (build_index_meta([torch.tensor([i]) for i in range(N)], [p + 1 for p in positions], torch.arange(N),
-                             torch.tensor(positions), 16, config.index_topk) if config.has_dsa else None)
-    return StepBatch(torch.tensor(positions), list(range(N + 1)), positions, cache, handles, index_meta=meta,
-                     write_rows=write_rows)
 
 
 def _with_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -66,14 +35,14 @@ def test_blocks_equal_the_modules_bit_for_bit(make_checkpoint, preset, slots):
     """Each layer's blocks against its modules on the same input and states, three steps running (conv windows
     and recurrent states carried; the states after each step must agree too), with the three residual forms: the
     input itself (plain layers), another tensor and none (K3's AttnRes layers)."""
-    model = _native_model(make_checkpoint(preset))
+    model = native_model(make_checkpoint(preset))
     g = torch.Generator().manual_seed(len(slots))
-    fused_cache, module_cache = _caches(model, len(slots))
+    fused_cache, module_cache = twin_caches(model, len(slots))
     fused_attention = fused_ffn = 0
     with torch.inference_mode():
         for step in range(3):
-            fused_batch = _decode_batch(fused_cache, slots, 4 + step, model.config)
-            module_batch = _decode_batch(module_cache, slots, 4 + step, model.config)
+            fused_batch = decode_batch(fused_cache, slots, 4 + step, model.config)
+            module_batch = decode_batch(module_cache, slots, 4 + step, model.config)
             for layer in model.layers:
                 x = torch.randn(len(slots), model.config.hidden_size, generator=g).to(torch.bfloat16)
                 residual = [x, torch.randn(x.shape, generator=g).to(torch.bfloat16), None][step]
@@ -105,12 +74,12 @@ def test_blocks_equal_the_modules_bit_for_bit(make_checkpoint, preset, slots):
 
 
 def test_blocks_step_aside_where_they_do_not_apply(make_checkpoint):
-    model = _native_model(make_checkpoint("kimi-linear-tiny"))
+    model = native_model(make_checkpoint("kimi-linear-tiny"))
     layer = next(l for l in model.layers if isinstance(l.self_attn, KimiDeltaAttention) and isinstance(l.ffn, MoE))
     cache = PagedCache(PagePool(model.config, 8, 16, torch.bfloat16), StateSlots(model.config, 8))
     d = model.config.hidden_size
     h = torch.randn(5, d).to(torch.bfloat16)
-    assert attention_block(layer, h, _decode_batch(cache, [0, 1, 2, 3, 4], 3, model.config), h) is None  # > 4 rows
+    assert attention_block(layer, h, decode_batch(cache, [0, 1, 2, 3, 4], 3, model.config), h) is None  # > 4 rows
     big = torch.randn(9, d).to(torch.bfloat16)
     assert ffn_block(layer, big, big) is None  # > MLP_MAX_ROWS rows
     assert ffn_block(layer, h.float(), None) is None
@@ -159,7 +128,8 @@ def test_native_router_rejects_an_impossible_top_k():
 
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny"])
 def test_engine_decode_runs_through_the_blocks(make_checkpoint, monkeypatch, preset):
-    """A bf16 engine's decode steps take the fused blocks, and its greedy tokens are those of the modules."""
+    """A bf16 engine's decode steps take the fused blocks layer by layer (the whole-stack call off:
+    tests/test_fused_stack.py), and its greedy tokens are those of the modules."""
     path = make_checkpoint(preset)
     taken = []
 
@@ -176,6 +146,7 @@ def test_engine_decode_runs_through_the_blocks(make_checkpoint, monkeypatch, pre
     runs = []
     for fuse in (True, False):
         llm = make_llm(path, dtype="bfloat16")
+        llm.engine.model.fuse_stack = False
         for layer in llm.engine.model.layers:
             layer.fuse_blocks = fuse
         outs = llm.generate(prompts, greedy(8), use_tqdm=False)

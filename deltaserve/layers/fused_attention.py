@@ -43,9 +43,9 @@ def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> Descriptor:
     return Descriptor(ints, [norm.eps, c.rms_norm_eps, math.nan if lower is None else lower, attn.K ** -0.5], keep)
 
 
-def _slot_pools(attn: KimiDeltaAttention, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+def kda_pools(attn: KimiDeltaAttention, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The layer's conv and recurrent slot pools when they are in the layout the block reads."""
-    pool = batch.cache.kda_slot_pool(attn.layer)
+    pool = cache.kda_slot_pool(attn.layer)
     if pool is None:
         return None
     conv, rec = pool
@@ -64,7 +64,7 @@ def _kda_plan(attn: KimiDeltaAttention, norm: RMSNorm) -> Plan | None:
         return None
     sources = [norm.weight, attn.dt_bias, attn.A_log, attn.o_norm.weight, *(m.weight for m in linears),
                *(conv.weight for conv in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d))]
-    return Plan(attn, [attn, norm, *linears], sources, lambda: _kda_descriptor(attn, norm), LINEAR_MAX_ROWS,
+    return Plan("kda", attn, [attn, norm, *linears], sources, lambda: _kda_descriptor(attn, norm), LINEAR_MAX_ROWS,
                  _run_kda)
 
 
@@ -73,7 +73,7 @@ def _run_kda(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
     slots = batch.decode_slots
     if slots is None or slots.numel() != x.shape[0]:
         return None
-    pools = _slot_pools(plan.module, batch)
+    pools = kda_pools(plan.module, batch.cache)
     if pools is None:
         return None
     conv, rec = pools
@@ -109,21 +109,31 @@ def _mla_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
     parts = _mla_linears(attn)
     if parts is None or not has_switches(attn, norm, *parts):
         return None
-    return Plan(attn, [attn, norm, *parts], [norm.weight, *(m.weight for m in parts)],
+    return Plan("mla", attn, [attn, norm, *parts], [norm.weight, *(m.weight for m in parts)],
                  lambda: _mla_descriptor(attn, norm), LINEAR_MAX_ROWS, _run_mla)
+
+
+def step_rows(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A pure decode step's cache rows of every sequence [B, width] and of its new token [B] (int64), read by the
+    MLA and DSA blocks; None when the step is not one."""
+    context_rows = batch.decode_context_rows
+    if context_rows is None or batch.write_rows is None:
+        return None
+    return context_rows, batch.write_rows.to(torch.int64).contiguous()
+
+
+def mla_pages(attn: MLAttention, cache) -> torch.Tensor | None:
+    """The layer's latent page rows when they are plain bf16/fp32 rows the block reads (not an 8-bit cache)."""
+    latent = cache.mla_pages(attn.layer)[0]
+    return latent if _page_rows(latent, attn.r + attn.rho) else None
 
 
 def _run_mla(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
              residual: torch.Tensor | None) -> torch.Tensor | None:
-    attn = plan.module
-    context_rows = batch.decode_context_rows
-    if context_rows is None or batch.write_rows is None:
+    rows, latent = step_rows(batch), mla_pages(plan.module, batch.cache)
+    if rows is None or latent is None:
         return None
-    latent = batch.cache.mla_pages(attn.layer)[0]
-    if not (isinstance(latent, torch.Tensor) and latent.dtype in (torch.bfloat16, torch.float32)
-            and latent.device.type == "cpu" and latent.stride(-1) == 1 and latent.shape[-1] == attn.r + attn.rho):
-        return None
-    write_rows = batch.write_rows.to(torch.int64).contiguous()
+    context_rows, write_rows = rows
     out = torch.empty_like(x)
     if native.native_library().ds_mla_block(desc.ints_address, desc.floats_address, x.data_ptr(),
                                             address(residual), x.shape[0], context_rows.data_ptr(),
@@ -146,7 +156,7 @@ def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
                                                    ix.k_norm.weight, ix.k_norm.bias)):
         return None
     attn._fused_weights()  # gathers the layer's parameters: the block's sources
-    return Plan(attn, [attn, norm, attn.o_proj], [norm.weight, *attn._mlapo_sources],
+    return Plan("dsa", attn, [attn, norm, attn.o_proj], [norm.weight, *attn._mlapo_sources],
                  lambda: _dsa_descriptor(attn, norm), LINEAR_MAX_ROWS, _run_dsa)
 
 
@@ -174,19 +184,33 @@ def _page_rows(t, width: int) -> bool:
             and t.stride(-1) == 1 and t.shape[-1] == width)
 
 
+def dsa_pages(attn: MLAttention, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's latent and index-key page rows when both are plain bf16/fp32 rows (not an 8-bit cache)."""
+    latent, keys, scales = cache.mla_pages(attn.layer)
+    if scales is not None or not (_page_rows(latent, attn.r + attn.rho) and _page_rows(keys, attn.indexer.head_dim)):
+        return None
+    return latent, keys
+
+
+def dsa_selects_all(batch: StepBatch) -> bool:
+    """The indexer would select every row of every sequence: all contexts lie within its top-k."""
+    return batch.index_meta is not None and batch.index_meta.all_short
+
+
+def rotation(attn: MLAttention, batch: StepBatch) -> torch.Tensor | None:
+    """[2, N, rho / 2] fp32 cos and sin at the step's positions (DeepSeek-V3.2's RoPE), None for NoPE."""
+    return torch.stack(attn.rotary.cos_sin(batch.positions)).float().contiguous() if attn.rotary else None
+
+
 def _run_dsa(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
              residual: torch.Tensor | None) -> torch.Tensor | None:
     """Only when the indexer would select every row of every sequence (all contexts within its top-k)."""
     attn = plan.module
-    meta, context_rows = batch.index_meta, batch.decode_context_rows
-    if meta is None or not meta.all_short or context_rows is None or batch.write_rows is None:
+    rows, pages = step_rows(batch), dsa_pages(attn, batch.cache)
+    if not dsa_selects_all(batch) or rows is None or pages is None:
         return None
-    latent, keys, scales = batch.cache.mla_pages(attn.layer)
-    if scales is not None or not (_page_rows(latent, attn.r + attn.rho)
-                                  and _page_rows(keys, attn.indexer.head_dim)):
-        return None
-    write_rows = batch.write_rows.to(torch.int64).contiguous()
-    cos_sin = torch.stack(attn.rotary.cos_sin(batch.positions)).float().contiguous() if attn.rotary else None
+    (context_rows, write_rows), (latent, keys) = rows, pages
+    cos_sin = rotation(attn, batch)
     out = torch.empty_like(x)
     if native.native_library().ds_dsa_block(desc.ints_address, desc.floats_address, x.data_ptr(),
                                             address(residual), x.shape[0], context_rows.data_ptr(),

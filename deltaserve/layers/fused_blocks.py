@@ -68,7 +68,7 @@ def _ffn_plan(ffn: torch.nn.Module, norm: RMSNorm, config: ModelConfig) -> Plan 
     if mlp is not None:
         sources += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
     max_rows = LINEAR_MAX_ROWS if moe is not None and moe.latent else MLP_MAX_ROWS
-    return Plan(ffn, switches, sources, lambda: _ffn_descriptor(config, norm, moe, mlp), max_rows)
+    return Plan("ffn", ffn, switches, sources, lambda: _ffn_descriptor(config, norm, moe, mlp), max_rows)
 
 
 def _latent_parts(moe: MoE) -> list[torch.nn.Module]:

@@ -37,13 +37,14 @@ class Descriptor:
 
 
 class Plan:
-    """One block of one layer: `module` (the attention or FFN it fuses), the modules whose native switches must be
-    on, the weights the descriptor reads and its builder (which may give None: the block does not apply),
-    `max_rows` it takes and, for attention, the function that runs it."""
+    """One block of one layer: its `kind` ("kda", "mla", "dsa" or "ffn"), `module` (the attention or FFN it fuses),
+    the modules whose native switches must be on, the weights the descriptor reads and its builder (which may give
+    None: the block does not apply), `max_rows` it takes and, for attention, the function that runs it."""
 
-    def __init__(self, module: torch.nn.Module, switches: list[torch.nn.Module], sources: list[torch.Tensor],
-                 build, max_rows: int, run=None):
-        self.module, self.switches, self.sources, self.build, self.max_rows = module, switches, sources, build, max_rows
+    def __init__(self, kind: str, module: torch.nn.Module, switches: list[torch.nn.Module],
+                 sources: list[torch.Tensor], build, max_rows: int, run=None):
+        self.kind, self.module, self.switches, self.sources = kind, module, switches, sources
+        self.build, self.max_rows = build, max_rows
         self.run = run  # attention blocks: (plan, descriptor, x, batch, residual) -> output or None
         self._descriptor = Derived()
 
@@ -54,4 +55,8 @@ class Plan:
         for m in self.switches:
             if not m.native:
                 return None
-        return self._descriptor.get(self.sources, self.build)  # None when the builder found no native packs
+        return self.weights_descriptor()
+
+    def weights_descriptor(self) -> Descriptor | None:
+        """The descriptor of the current weights (None when the builder found no native packs)."""
+        return self._descriptor.get(self.sources, self.build)

@@ -36,7 +36,7 @@ class Derived:
         self._value = None
 
     def get(self, sources: list[torch.Tensor], build: Callable[[], Any]) -> Any:
-        key = tuple((w.data_ptr(), w._version) for w in sources)
+        key = (tuple(map(torch.Tensor.data_ptr, sources)), tuple(w._version for w in sources))
         if key != self._key:
             self._value, self._key = build(), key
         return self._value

@@ -7,6 +7,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..layers.batch import StepBatch
 from ..layers.fused_blocks import BlockPlans, attention_block, ffn_block
+from ..layers.fused_stack import DecodeStack
 from ..layers.kda import KimiDeltaAttention
 from ..layers.linear import Linear
 from ..layers.mla import MLAttention
@@ -89,10 +90,17 @@ class CausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(config, config.num_layers + j)
                                  for j in range(config.num_nextn_predict_layers))
         self.mtp_available = config.num_nextn_predict_layers > 0
+        self.fuse_stack = True
+        self.decode_stack = DecodeStack()
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Pre-norm final hidden state h [N, d] of the flattened tokens (what MTP and drafters consume)."""
+        """Pre-norm final hidden state h [N, d] of the flattened tokens (what MTP and drafters consume). A decode step
+        that every layer's fused blocks take runs the stack in one native call with the same result
+        (layers/fused_stack.py); `fuse_stack = False` runs the layers one by one."""
         h = self.embed_tokens(input_ids)
+        stacked = self.decode_stack.run(self, h, batch) if self.fuse_stack else None
+        if stacked is not None:
+            return stacked
         if self.config.attn_res_block_size is None:
             for layer in self.layers:
                 h = layer(h, batch)

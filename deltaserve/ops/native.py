@@ -1,5 +1,5 @@
-"""The native CPU kernels (`native_src/`: products.c, attention.c, blocks.c, common.h, kernels.h): built once per
-machine, loaded through ctypes.
+"""The native CPU kernels (`native_src/`: products.c, attention.c, blocks.c, stack.c, common.h, kernels.h): built
+once per machine, loaded through ctypes.
 
 The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
 into the cache folder (`envs.cache_dir()`), under a name that hashes the sources, the flags and the compiler, so
@@ -9,8 +9,8 @@ Without a compiler `native_library()` returns None and every caller keeps its to
 The wrappers take torch tensors and check what the C side assumes (bf16, CPU, contiguous rows); the reference
 twins are `F.linear`, the torch MoE dispatch and router in `layers/moe.py` and the torch norms (tests/test_native.py
 and tests/test_fused_blocks.py hold them together). The KDA kernels are wrapped by `ops/kda_native.py` (ops of the
-op set, each with its reference twin), AttnRes mixing by `ops/attn_res.py`, and the fused decode blocks
-(blocks.c) by `layers/fused_blocks.py`.
+op set, each with its reference twin), AttnRes mixing by `ops/attn_res.py`, the fused decode blocks (blocks.c) by
+`layers/fused_blocks.py` and a decode step of the whole stack (stack.c) by `layers/fused_stack.py`.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_dsa_block.restype = ctypes.c_int
     lib.ds_attn_res_mix.argtypes = [_P, _I, _I, _I, _P, _P, _F, _P, ctypes.c_int]
     lib.ds_attn_res_mix.restype = None
+    lib.ds_decode_stack.argtypes = [_P, _I, _I, _I, _P, _P, ctypes.c_int]
+    lib.ds_decode_stack.restype = ctypes.c_int64
     return lib
 
 

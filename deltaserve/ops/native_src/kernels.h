@@ -27,4 +27,20 @@ int ds_router(const bf16 *x, int64_t T, int64_t D, int64_t ldx, const float *w, 
 void ds_attn_res_mix(const int64_t *src, int64_t S, int64_t N, int64_t D, const bf16 *norm_w, const bf16 *query,
                      float eps, bf16 *out, int nthreads);
 
+/* blocks.c: the fused decode blocks; stack.c: a decode step of a whole decoder stack. */
+void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
+                  const int64_t *slots, float *conv, int64_t conv_stride, float *rec, int64_t rec_stride, bf16 *out,
+                  int nthreads);
+int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t T, bf16 *out,
+                 int nthreads);
+int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
+                 const int64_t *selected, int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld,
+                 int64_t nrows, int pages_bf16, bf16 *out, int nthreads);
+int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
+                 const int64_t *selected, int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld,
+                 int64_t nrows, int pages_bf16, void *keys, int64_t ldk, int keys_bf16, const float *cos_sin,
+                 bf16 *out, int nthreads);
+int64_t ds_decode_stack(const int64_t *program, int64_t nops, int64_t N, int64_t D, bf16 *regs, const int64_t *step,
+                        int nthreads);
+
 #endif

@@ -1,0 +1,45 @@
+"""Shared by the fused-block and decode-stack tests: a bf16 model on the native kernels, two caches with the same
+random states and pages, and a pure decode step over them."""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.cache.page_pool import PagePool
+from deltaserve.cache.paged_cache import PagedCache, SeqHandle
+from deltaserve.cache.state_slots import StateSlots
+from deltaserve.layers.batch import StepBatch
+from deltaserve.layers.native_path import enable_native_kernels
+from deltaserve.models.loader import load_model
+from deltaserve.ops.qli import build_index_meta
+
+
+def native_model(path):
+    model = load_model(path, dtype="bfloat16")
+    assert enable_native_kernels(model) > 0
+    return model
+
+
+def twin_caches(model, seed: int) -> list[PagedCache]:
+    """Two caches with the same random KDA states and latent pages (room for 4 sequences of 16 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    caches = [PagedCache(PagePool(model.config, 4, 16, torch.bfloat16), StateSlots(model.config, 5)) for _ in "ab"]
+    pools = [(c.states.conv, c.states.recurrent, *(c.pages.latent_rows(l) for l in c.pages.latent)) for c in caches]
+    for first, second in zip(*pools):
+        init = (torch.randn(first.shape, generator=g) * 0.1).to(first.dtype)
+        first.copy_(init)
+        second.copy_(init)
+    return caches
+
+
+def decode_batch(cache: PagedCache, slots: list[int], position: int, config) -> StepBatch:
+    """Sequence i (state slot slots[i]) owns page i and decodes its token at position + i (contexts differ); DSA
+    models get the step's indexer metadata."""
+    N = len(slots)
+    positions = [position + i for i in range(N)]
+    handles = [SeqHandle(s, torch.arange(16 * i, 16 * i + p + 1)) for i, (s, p) in enumerate(zip(slots, positions))]
+    write_rows = torch.tensor([16 * i + p for i, p in enumerate(positions)])
+    meta = (build_index_meta([torch.tensor([i]) for i in range(N)], [p + 1 for p in positions], torch.arange(N),
+                             torch.tensor(positions), 16, config.index_topk) if config.has_dsa else None)
+    return StepBatch(torch.tensor(positions), list(range(N + 1)), positions, cache, handles, index_meta=meta,
+                     write_rows=write_rows)

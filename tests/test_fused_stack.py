@@ -1,0 +1,132 @@
+"""The whole decoder stack's decode step as one native call (layers/fused_stack.py, native_src/stack.c) against the
+layers run one by one through their fused blocks, bit for bit (hidden states, KDA states, latent and index-key
+pages) on the tiny presets of each family; where it steps aside; its rebuild when weights or the cache change;
+and an engine whose greedy tokens through the stack are those of the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from block_utils import decode_batch, native_model, twin_caches
+from deltaserve.cache.page_pool import PagePool
+from deltaserve.cache.paged_cache import PagedCache, SeqHandle
+from deltaserve.cache.state_slots import StateSlots
+from deltaserve.layers.batch import StepBatch
+from deltaserve.layers.fused_stack import DecodeStack
+from deltaserve.ops import native
+from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
+
+pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
+
+
+def _count_stack_runs(monkeypatch) -> list[bool]:
+    """Records, for every call of DecodeStack.run, whether the stack took the step."""
+    taken, run = [], DecodeStack.run
+
+    def counted(self, model, h, batch):
+        out = run(self, model, h, batch)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(DecodeStack, "run", counted)
+    return taken
+
+
+def _step(model, cache, slots, position, ids, stack: bool) -> torch.Tensor:
+    model.fuse_stack = stack
+    return model(ids, decode_batch(cache, slots, position, model.config))
+
+
+def _assert_caches_equal(a: PagedCache, b: PagedCache) -> None:
+    assert torch.equal(a.states.conv, b.states.conv) and torch.equal(a.states.recurrent, b.states.recurrent)
+    for layer in a.pages.latent:
+        assert torch.equal(a.pages.latent_rows(layer), b.pages.latent_rows(layer)), f"layer {layer} latent"
+    for layer in a.pages.index_keys:
+        assert torch.equal(a.pages.key_rows(layer)[0], b.pages.key_rows(layer)[0]), f"layer {layer} index keys"
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "deepseek-v32-tiny"])
+@pytest.mark.parametrize("slots", [[2], [0, 3, 1], [4, 1, 2, 0]])
+def test_stack_equals_the_layers_bit_for_bit(make_checkpoint, monkeypatch, preset, slots):
+    """Three decode steps running (states and pages carried) through the stack and through the layers' blocks;
+    K3's AttnRes mixes and block bank are in the program too."""
+    taken = _count_stack_runs(monkeypatch)
+    model = native_model(make_checkpoint(preset))
+    stack_cache, layer_cache = twin_caches(model, len(slots))
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for step in range(3):
+            ids = torch.randint(0, model.config.vocab_size, (len(slots),), generator=g)
+            got = _step(model, stack_cache, slots, 4 + step, ids, True)
+            want = _step(model, layer_cache, slots, 4 + step, ids, False)
+            assert torch.equal(got, want), f"step {step}"
+            _assert_caches_equal(stack_cache, layer_cache)
+    assert taken == [True] * 3
+
+
+def test_stack_steps_aside_where_a_block_would(make_checkpoint, monkeypatch):
+    """More rows than the blocks take, a prefill chunk, a layer with its blocks off and a switch off: the layers
+    run (and give the same result as with the stack off)."""
+    taken = _count_stack_runs(monkeypatch)
+    model = native_model(make_checkpoint("kimi-linear-tiny"))
+    cache = PagedCache(PagePool(model.config, 8, 16, torch.bfloat16), StateSlots(model.config, 8))
+    with torch.inference_mode():
+        model(torch.arange(5), decode_batch(cache, [0, 1, 2, 3, 4], 3, model.config))  # 5 rows > 4
+        model(torch.arange(2), StepBatch.single(2, 3, cache, SeqHandle(0, torch.arange(5))))  # a prefill chunk
+        model.layers[1].fuse_blocks = False
+        model(torch.arange(1), decode_batch(cache, [0], 3, model.config))
+        model.layers[1].fuse_blocks = True
+        model.layers[2].ffn.experts.native = False
+        model(torch.arange(1), decode_batch(cache, [0], 3, model.config))
+        model.layers[2].ffn.experts.native = True
+        model(torch.arange(1), decode_batch(cache, [0], 3, model.config))
+    assert taken == [False, False, False, False, True]
+
+
+def test_stack_follows_weight_and_cache_changes(make_checkpoint):
+    """An in-place weight edit and a new cache object rebuild the program (it holds their addresses)."""
+    model = native_model(make_checkpoint("k31-tiny"))
+    ids = torch.tensor([5])
+    with torch.inference_mode():
+        for change in range(3):
+            if change == 1:
+                model.layers[2].self_attn.o_proj.weight.mul_(2)
+                model.layers[3].ffn.experts.w2.mul_(-1)
+            stack_cache, layer_cache = twin_caches(model, change)  # new caches each round
+            got = _step(model, stack_cache, [1], 5, ids, True)
+            want = _step(model, layer_cache, [1], 5, ids, False)
+            assert torch.equal(got, want), f"change {change}"
+            _assert_caches_equal(stack_cache, layer_cache)
+            if change == 0:
+                before = got
+    assert not torch.equal(got, before)
+
+
+def test_stack_rejects_a_cache_row_outside_the_pages(make_checkpoint):
+    model = native_model(make_checkpoint("kimi-linear-tiny"))
+    cache = twin_caches(model, 0)[0]
+    batch = decode_batch(cache, [0], 3, model.config)
+    batch.write_rows = torch.tensor([10 ** 6])
+    with torch.inference_mode(), pytest.raises(IndexError, match="decode stack: op .* rejected its inputs"):
+        model(torch.tensor([3]), batch)
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "deepseek-v32-tiny"])
+def test_engine_decode_runs_through_the_stack(make_checkpoint, monkeypatch, preset):
+    """A bf16 engine's decode steps take the stack, and its greedy tokens are those of the modules (stack and
+    blocks off). The contexts stay within the tiny DSA presets' indexer top-k (16) and one page."""
+    taken = _count_stack_runs(monkeypatch)
+    path = make_checkpoint(preset)
+    prompts = random_prompts([3, 6, 4], seed=6, high=700)
+    runs = []
+    for fuse in (True, False):
+        llm = make_llm(path, dtype="bfloat16")
+        llm.engine.model.fuse_stack = fuse
+        for layer in llm.engine.model.layers:
+            layer.fuse_blocks = fuse
+        outs = llm.generate(prompts, greedy(8), use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        assert_pools_free(llm.engine)
+    assert runs[0] == runs[1]
+    assert taken == [False] + [True] * 7  # one prefill step, then the 7 decode steps of all three
