@@ -4,6 +4,8 @@ ValueError; a failed build leaves the torch paths; and the engine's greedy token
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,6 +85,22 @@ def test_linear_takes_row_strided_inputs_and_weights():
     wbig = torch.randn(50, 300, generator=g).to(torch.bfloat16)
     x, w = big[:, :128], wbig[:20, 100:228]  # row strides 200 and 300
     _assert_rounded_product(native.linear_packed(x, native.pack_rows(w), 20), x, w)
+
+
+def test_large_packs_start_on_a_huge_page_and_keep_their_memory():
+    """pack_rows' output of 2 MiB and more lies at a 2 MiB boundary of its own mapping (advised for huge pages),
+    holds the same tiles as a plain copy, and stays valid once every other reference to the mapping is gone."""
+    w = torch.randn(1030, 1100).to(torch.bfloat16)  # 1032 x 1120 packed: 2.2 MiB
+    packed = native.pack_rows(w)
+    padded = torch.nn.functional.pad(w, (0, 20, 0, 2))
+    plain = padded.reshape(258, 4, 35, 32).transpose(1, 2).contiguous()
+    assert packed.data_ptr() % native.HUGE_PAGE == 0 and packed.is_contiguous()
+    assert torch.equal(packed, plain)
+    del w, padded
+    gc.collect()
+    assert torch.equal(packed.clone(), plain)
+    small = native.huge_page_empty((3, 5), torch.float32)  # under 2 MiB: an ordinary tensor
+    assert small.shape == (3, 5) and small.dtype == torch.float32
 
 
 def test_linear_rejects_what_the_kernel_cannot_read():

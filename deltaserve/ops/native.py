@@ -19,6 +19,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -125,12 +126,34 @@ def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 def pack_rows(w: torch.Tensor) -> torch.Tensor:
     """The kernels' packed layout of bf16 weights [..., N, K] (one matrix, or a stack: experts): per matrix, tiles
     of 4 rows, each [ceil(K/32), 4, 32] with rows and K zero-padded, so a tile is one sequential stream (row-major
-    rows are 4 short streams; packed reads ~30% faster from DRAM at decode on this EPYC)."""
+    rows are 4 short streams; packed reads ~30% faster from DRAM at decode on this EPYC). Held in huge pages where
+    the system gives them (`huge_page_empty`)."""
     N, K = w.shape[-2:]
     Np, Kp = -(-N // 4) * 4, -(-K // 32) * 32
     lead = w.shape[:-2]
     padded = torch.nn.functional.pad(w.detach().to(torch.bfloat16), (0, Kp - K, 0, Np - N))
-    return padded.reshape(*lead, Np // 4, 4, Kp // 32, 32).transpose(-3, -2).contiguous()
+    tiles = padded.reshape(*lead, Np // 4, 4, Kp // 32, 32).transpose(-3, -2)
+    return huge_page_empty(tiles.shape, torch.bfloat16).copy_(tiles)
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor that starts on a 2 MiB boundary of private anonymous memory advised
+    for transparent huge pages (Linux; elsewhere, or under 2 MiB, a plain `torch.empty`). The decode kernels
+    stream every weight once a step: with 4 KiB pages the hardware prefetchers stop at each page boundary and
+    every page costs a TLB miss. Measured on the 2-core EPYC, native single-row products: 1024 x 1024 35.6 ->
+    45.1 GB/s, 3392 x 1024 40.5 -> 48.3, 32000 x 1024 43.3 -> 50.6 (medians of 5, one process). The tensor keeps
+    its mapping alive; the memory past the tensor's end is never touched, so it costs no RAM."""
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(area, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Tensor:
