@@ -17,6 +17,7 @@ rebuilt when the cache object or any weight it reads (storage or version counter
 from __future__ import annotations
 
 import struct
+from operator import attrgetter
 
 import torch
 
@@ -30,6 +31,7 @@ from .prepack import Derived
 _OPS = {"kda": 1, "mla": 2, "dsa": 3, "ffn": 4}  # native_src/stack.c SOP_*
 _MIX = 5
 _ERRORS = {"mla": IndexError, "dsa": IndexError, "ffn": ValueError}
+_FUSE_BLOCKS, _NATIVE = attrgetter("fuse_blocks"), attrgetter("native")  # read every step, so kept cheap
 
 
 class _Program:
@@ -118,7 +120,7 @@ class DecodeStack:
         plans = self._layer_plans(model)
         if plans is None or not takes_block(h, None, self._max_rows) or batch.cache is None:
             return None
-        if not all(layer.fuse_blocks for layer in model.layers) or not all(m.native for m in self._switches):
+        if not all(map(_FUSE_BLOCKS, model.layers)) or not all(map(_NATIVE, self._switches)):
             return None
         if model.config.attn_res_block_size is not None and batch.ops.attn_res_mix is not attn_res_mix:
             return None
@@ -155,7 +157,7 @@ class DecodeStack:
             if all(a is not None and f is not None for a, f in plans) and all(map(_mix_on_native, queries)):
                 self._plans = plans
                 self._max_rows = min(p.max_rows for pair in plans for p in pair)
-                self._switches = [m for pair in plans for p in pair for m in p.switches]
+                self._switches = list({id(m): m for pair in plans for p in pair for m in p.switches}.values())
                 self._kinds = {p.kind for pair in plans for p in pair}
                 self._sources = [w for pair in plans for p in pair for w in p.sources]
                 self._sources += [w for q in queries for w in (q.proj.weight, q.norm.weight)]

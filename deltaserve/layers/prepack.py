@@ -13,6 +13,7 @@ packs only with `--ops fast`, bf16 weights and oneDNN bf16 support, and `--no-pr
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -27,6 +28,9 @@ def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") ->
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+_VERSION = attrgetter("_version")
+
+
 class Derived:
     """A value built from some weights (a converted, stacked, split or packed copy), kept until any source's
     storage or version counter moves, so it never goes stale."""
@@ -36,7 +40,7 @@ class Derived:
         self._value = None
 
     def get(self, sources: list[torch.Tensor], build: Callable[[], Any]) -> Any:
-        key = (tuple(map(torch.Tensor.data_ptr, sources)), tuple(w._version for w in sources))
+        key = (tuple(map(torch.Tensor.data_ptr, sources)), tuple(map(_VERSION, sources)))
         if key != self._key:
             self._value, self._key = build(), key
         return self._value
