@@ -1,5 +1,6 @@
 """Shared by the fused-block and decode-stack tests: a bf16 model on the native kernels, two caches with the same
-random states and pages, and a pure decode step over them."""
+random states and pages, a pure decode step over them, and an engine's greedy tokens with the fused paths on and
+off."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.native_path import enable_native_kernels
 from deltaserve.models.loader import load_model
 from deltaserve.ops.qli import build_index_meta
+from engine_utils import assert_pools_free, greedy, make_llm
 
 
 def native_model(path):
@@ -43,3 +45,18 @@ def decode_batch(cache: PagedCache, slots: list[int], position: int, config) -> 
                              torch.tensor(positions), 16, config.index_topk) if config.has_dsa else None)
     return StepBatch(torch.tensor(positions), list(range(N + 1)), positions, cache, handles, index_meta=meta,
                      write_rows=write_rows)
+
+
+def fused_and_module_tokens(path, prompts: list[list[int]], stack: bool) -> tuple[list, list]:
+    """8 greedy tokens of each prompt from a bf16 engine with the fused blocks on (the decode stack on when `stack`)
+    and from one with every fused path off; both engines' pools are checked free afterwards."""
+    runs = []
+    for fuse in (True, False):
+        llm = make_llm(path, dtype="bfloat16")
+        llm.engine.model.fuse_stack = fuse and stack
+        for layer in llm.engine.model.layers:
+            layer.fuse_blocks = fuse
+        outs = llm.generate(prompts, greedy(8), use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        assert_pools_free(llm.engine)
+    return runs[0], runs[1]

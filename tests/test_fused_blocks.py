@@ -19,8 +19,8 @@ from deltaserve.models import base
 from deltaserve.models.loader import load_config
 from deltaserve.ops import native
 from deltaserve.ops.kda_native import kda_gate_beta, kda_gate_beta_ref
-from block_utils import decode_batch, native_model, twin_caches
-from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
+from block_utils import decode_batch, fused_and_module_tokens, native_model, twin_caches
+from engine_utils import random_prompts
 
 pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
 
@@ -142,15 +142,6 @@ def test_engine_decode_runs_through_the_blocks(make_checkpoint, monkeypatch, pre
 
     monkeypatch.setattr(base, "attention_block", counted(attention_block))
     monkeypatch.setattr(base, "ffn_block", counted(ffn_block))
-    prompts = random_prompts([9, 30, 17], seed=5, high=700)
-    runs = []
-    for fuse in (True, False):
-        llm = make_llm(path, dtype="bfloat16")
-        llm.engine.model.fuse_stack = False
-        for layer in llm.engine.model.layers:
-            layer.fuse_blocks = fuse
-        outs = llm.generate(prompts, greedy(8), use_tqdm=False)
-        runs.append([o.outputs[0].token_ids for o in outs])
-        assert_pools_free(llm.engine)
-    assert runs[0] == runs[1]
+    fused, modules = fused_and_module_tokens(path, random_prompts([9, 30, 17], seed=5, high=700), stack=False)
+    assert fused == modules
     assert sum(taken) > 0.5 * len(taken)

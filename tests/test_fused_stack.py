@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from block_utils import decode_batch, native_model, twin_caches
+from block_utils import decode_batch, fused_and_module_tokens, native_model, twin_caches
 from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.paged_cache import PagedCache, SeqHandle
 from deltaserve.cache.state_slots import StateSlots
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.fused_stack import DecodeStack
 from deltaserve.ops import native
-from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
+from engine_utils import random_prompts
 
 pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
 
@@ -118,15 +118,6 @@ def test_engine_decode_runs_through_the_stack(make_checkpoint, monkeypatch, pres
     blocks off). The contexts stay within the tiny DSA presets' indexer top-k (16) and one page."""
     taken = _count_stack_runs(monkeypatch)
     path = make_checkpoint(preset)
-    prompts = random_prompts([3, 6, 4], seed=6, high=700)
-    runs = []
-    for fuse in (True, False):
-        llm = make_llm(path, dtype="bfloat16")
-        llm.engine.model.fuse_stack = fuse
-        for layer in llm.engine.model.layers:
-            layer.fuse_blocks = fuse
-        outs = llm.generate(prompts, greedy(8), use_tqdm=False)
-        runs.append([o.outputs[0].token_ids for o in outs])
-        assert_pools_free(llm.engine)
-    assert runs[0] == runs[1]
+    fused, modules = fused_and_module_tokens(path, random_prompts([3, 6, 4], seed=6, high=700), stack=True)
+    assert fused == modules
     assert taken == [False] + [True] * 7  # one prefill step, then the 7 decode steps of all three
