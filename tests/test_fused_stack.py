@@ -13,9 +13,11 @@ from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.paged_cache import PagedCache, SeqHandle
 from deltaserve.cache.state_slots import StateSlots
 from deltaserve.layers.batch import StepBatch
+from deltaserve.layers.fused_blocks import attention_block
 from deltaserve.layers.fused_stack import DecodeStack
+from deltaserve.models import base
 from deltaserve.ops import native
-from engine_utils import random_prompts
+from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
 
 pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
 
@@ -103,6 +105,37 @@ def test_stack_follows_weight_and_cache_changes(make_checkpoint):
     assert not torch.equal(got, before)
 
 
+@pytest.mark.parametrize("stack", [True, False])
+def test_fused_paths_take_prefix_cache_snapshots(make_checkpoint, monkeypatch, stack):
+    """A decode step on which two sequences end a page (prefix-cache snapshots after their token) runs through the
+    stack, or the blocks layer by layer, and fills the checkpoints as the modules do (which take those rows through
+    the varlen KDA path)."""
+    taken, blocks = _count_stack_runs(monkeypatch), []
+    monkeypatch.setattr(base, "attention_block", lambda *a: blocks.append(attention_block(*a)) or blocks[-1])
+    model = native_model(make_checkpoint("kimi-linear-tiny"))
+    caches = twin_caches(model, 4)
+    for cache in caches:
+        cache.checkpoints = StateSlots(model.config, 3)
+    slots = [0, 3, 1]
+    ids = torch.tensor([7, 8, 9])
+    outs = []
+    with torch.inference_mode():
+        for cache, fuse in zip(caches, (True, False)):
+            model.fuse_stack = fuse and stack
+            for layer in model.layers:
+                layer.fuse_blocks = fuse
+            batch = decode_batch(cache, slots, 5, model.config)
+            batch.kda_snapshots = [[(1, 2)], [], [(1, 0)]]
+            outs.append(model(ids, batch))
+    assert taken == ([True] if stack else [])
+    assert all(b is not None for b in blocks) and len(blocks) == (0 if stack else len(model.layers))
+    assert torch.equal(outs[0], outs[1])
+    _assert_caches_equal(*caches)
+    stacked, modules = (c.checkpoints for c in caches)
+    assert torch.equal(stacked.conv, modules.conv) and torch.equal(stacked.recurrent, modules.recurrent)
+    assert stacked.recurrent[[0, 2]].abs().sum() > 0 and stacked.recurrent[1].abs().sum() == 0
+
+
 def test_stack_rejects_a_cache_row_outside_the_pages(make_checkpoint):
     model = native_model(make_checkpoint("kimi-linear-tiny"))
     cache = twin_caches(model, 0)[0]
@@ -121,3 +154,26 @@ def test_engine_decode_runs_through_the_stack(make_checkpoint, monkeypatch, pres
     fused, modules = fused_and_module_tokens(path, random_prompts([3, 6, 4], seed=6, high=700), stack=True)
     assert fused == modules
     assert taken == [False] + [True] * 7  # one prefill step, then the 7 decode steps of all three
+
+
+def test_decode_checkpoints_from_the_stack_serve_later_prefix_hits(make_checkpoint, monkeypatch):
+    """Decode steps that end a page take the stack and snapshot the KDA states; a second round whose prompts extend
+    the first round's sequences resumes from those checkpoints, with the tokens of an engine on the modules."""
+    taken = _count_stack_runs(monkeypatch)
+    path = make_checkpoint("kimi-linear-tiny")
+    prompts = random_prompts([9, 30], seed=8, high=700)
+    runs, hits = [], []
+    for fuse in (True, False):
+        llm = make_llm(path, dtype="bfloat16")
+        llm.engine.model.fuse_stack = fuse
+        for layer in llm.engine.model.layers:
+            layer.fuse_blocks = fuse
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+        longer = [p + list(t) + [5, 6] for p, t in zip(prompts, first)]  # 9 + 12 crosses 16, 30 + 12 crosses 32
+        second = [o.outputs[0].token_ids for o in llm.generate(longer, greedy(4), use_tqdm=False)]
+        runs.append((first, second))
+        hits.append(llm.engine.core.prefix.num_hit_tokens)
+        assert_pools_free(llm.engine)
+    assert runs[0] == runs[1]
+    assert hits[0] == hits[1] >= 16 + 32  # both sequences resumed from a checkpoint taken during decode
+    assert taken.count(True) >= 11  # the decode steps of the first round, page ends included

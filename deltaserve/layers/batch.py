@@ -75,10 +75,11 @@ class StepBatch:
 
     @cached_property
     def decode_slots(self) -> torch.Tensor | None:
-        """[B] int64 state slot of every sequence when this step is pure decode (one row per sequence, in order, no
-        prefix-cache snapshot) over a cache whose handles carry slots; else None. Built once per step, read by
-        every KDA layer's fused block (layers/fused_blocks.py)."""
-        if not self._one_row_each() or any(self.kda_snapshots):
+        """[B] int64 state slot of every sequence when this step is pure decode (one row per sequence, in order)
+        over a cache whose handles carry slots; else None. Built once per step, read by every KDA layer's fused
+        block (layers/fused_blocks.py), which also takes the step's prefix-cache snapshots: on such a step each
+        falls after its sequence's one token."""
+        if not self._one_row_each():
             return None
         slots = [getattr(h, "slot", None) for h in self.handles]
         return None if None in slots else torch.tensor(slots, dtype=torch.int64)

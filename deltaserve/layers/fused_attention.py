@@ -81,7 +81,19 @@ def _run_kda(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
     native.native_library().ds_kda_block(desc.ints_address, desc.floats_address, x.data_ptr(), address(residual),
                                          x.shape[0], slots.data_ptr(), conv.data_ptr(), conv.stride(0),
                                          rec.data_ptr(), rec.stride(0), out.data_ptr(), torch.get_num_threads())
+    save_decode_checkpoints(plan.module, batch, conv, rec)
     return out
+
+
+def save_decode_checkpoints(attn: KimiDeltaAttention, batch: StepBatch, conv: torch.Tensor,
+                            rec: torch.Tensor) -> None:
+    """The prefix-cache snapshots of a pure decode step, each after its sequence's one token: the slot's state
+    after the step copied into the checkpoint, as the layer's module does (layers/kda.py)."""
+    if not any(batch.kda_snapshots):
+        return
+    for handle, snapshots in zip(batch.handles, batch.kda_snapshots):
+        for _, checkpoint in snapshots:
+            batch.cache.save_kda_checkpoint(attn.layer, checkpoint, conv[handle.slot], rec[handle.slot])
 
 
 def _mla_linears(attn: MLAttention) -> list[torch.nn.Module] | None:

@@ -10,7 +10,8 @@ path's, so the hidden states, states and cache rows are the same bit for bit (te
 The stack applies when every layer's blocks would apply on this step (the same conditions as the per-layer path:
 every block kind fusable, every native switch and `fuse_blocks` on, a pure decode step of at most the blocks' row
 count, plain bf16/fp32 pages, DSA contexts within the indexer's top-k, AttnRes mixes on the native kernel);
-otherwise the layers run one by one. The program holds cache addresses and the descriptors' addresses, so it is
+otherwise the layers run one by one. Prefix-cache snapshots of the step (a sequence ending a page) are copied
+from the KDA slots after the call, as the blocks do. The program holds cache addresses and the descriptors' addresses, so it is
 rebuilt when the cache object or any weight it reads (storage or version counter) changes.
 """
 
@@ -24,7 +25,8 @@ import torch
 from ..ops import native
 from ..ops.attn_res import attn_res_mix
 from .batch import StepBatch
-from .fused_attention import dsa_pages, dsa_selects_all, kda_pools, mla_pages, rotation, step_rows
+from .fused_attention import (dsa_pages, dsa_selects_all, kda_pools, mla_pages, rotation, save_decode_checkpoints,
+                              step_rows)
 from .fused_plan import Plan, takes_block
 from .prepack import Derived
 
@@ -143,6 +145,10 @@ class DecodeStack:
             raise _ERRORS.get(kind, RuntimeError)(
                 f"decode stack: op {failed - 1} ({kind}) rejected its inputs (a cache row outside the pages, or a "
                 "router shape the MoE block does not take)")
+        if any(batch.kda_snapshots):
+            for attn, _ in self._plans:
+                if attn.kind == "kda":
+                    save_decode_checkpoints(attn.module, batch, *kda_pools(attn.module, batch.cache))
         return regs[program.output]
 
     def _layer_plans(self, model: torch.nn.Module) -> list[tuple[Plan, Plan]] | None:
