@@ -103,6 +103,21 @@ def test_large_packs_start_on_a_huge_page_and_keep_their_memory():
     assert small.shape == (3, 5) and small.dtype == torch.float32
 
 
+def test_packs_take_ordinary_pages_where_huge_pages_are_refused(monkeypatch):
+    """A kernel without transparent huge pages refuses the advice (EINVAL): the pack is still made, same tiles."""
+    real_mmap = native.mmap.mmap
+
+    class Refusing(real_mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(native.mmap, "mmap", Refusing)
+    w = torch.randn(1030, 1100).to(torch.bfloat16)
+    packed = native.pack_rows(w)
+    monkeypatch.undo()
+    assert packed.data_ptr() % native.HUGE_PAGE == 0 and torch.equal(packed, native.pack_rows(w))
+
+
 def test_linear_rejects_what_the_kernel_cannot_read():
     x = torch.randn(2, 16).to(torch.bfloat16)
     w = torch.randn(4, 16).to(torch.bfloat16)

@@ -150,7 +150,10 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        area.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without transparent huge pages: ordinary pages, same layout
+        pass
     raw = torch.frombuffer(area, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     return raw[start:start + nbytes].view(dtype).view(shape)
