@@ -11,8 +11,8 @@ The stack applies when every layer's blocks would apply on this step (the same c
 every block kind fusable, every native switch and `fuse_blocks` on, a pure decode step of at most the blocks' row
 count, plain bf16/fp32 pages, DSA contexts within the indexer's top-k, AttnRes mixes on the native kernel);
 otherwise the layers run one by one. Prefix-cache snapshots of the step (a sequence ending a page) are copied
-from the KDA slots after the call, as the blocks do. The program holds cache addresses and the descriptors' addresses, so it is
-rebuilt when the cache object or any weight it reads (storage or version counter) changes.
+from the KDA slots after the call, as the blocks do. The program holds cache addresses and the descriptors'
+addresses, so it is rebuilt when the cache object or any weight it reads (storage or version counter) changes.
 """
 
 from __future__ import annotations
