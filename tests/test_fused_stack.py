@@ -11,6 +11,7 @@ import torch
 from block_utils import decode_batch, fused_and_module_tokens, native_model, twin_caches
 from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.paged_cache import PagedCache, SeqHandle
+from deltaserve.cache.sequence_cache import SequenceCache
 from deltaserve.cache.state_slots import StateSlots
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.fused_blocks import attention_block
@@ -84,6 +85,26 @@ def test_stack_steps_aside_where_a_block_would(make_checkpoint, monkeypatch):
         model.layers[2].ffn.experts.native = True
         model(torch.arange(1), decode_batch(cache, [0], 3, model.config))
     assert taken == [False, False, False, False, True]
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "deepseek-v32-tiny"])
+def test_stack_and_blocks_step_aside_on_a_contiguous_cache(make_checkpoint, monkeypatch, preset):
+    """A decode step over a SequenceCache (no slots, no pages) runs the modules, with their result."""
+    taken = _count_stack_runs(monkeypatch)
+    model = native_model(make_checkpoint(preset))
+    ids = torch.tensor([3, 9, 4, 7])
+    outs = []
+    with torch.inference_mode():
+        for fuse in (True, False):
+            model.fuse_stack = fuse
+            for layer in model.layers:
+                layer.fuse_blocks = fuse
+            cache = SequenceCache(model.config, torch.bfloat16)
+            handle = cache.new_sequence()
+            model(ids[:3], StepBatch.single(3, 0, cache, handle))
+            outs.append(model(ids[3:], StepBatch.single(1, 3, cache, handle)))
+    assert taken == [False, False]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_stack_follows_weight_and_cache_changes(make_checkpoint):

@@ -135,9 +135,10 @@ def step_rows(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def mla_pages(attn: MLAttention, cache) -> torch.Tensor | None:
-    """The layer's latent page rows when they are plain bf16/fp32 rows the block reads (not an 8-bit cache)."""
-    latent = cache.mla_pages(attn.layer)[0]
-    return latent if _page_rows(latent, attn.r + attn.rho) else None
+    """The layer's latent page rows when they are plain bf16/fp32 rows the block reads (not an 8-bit cache, not a
+    cache that stores sequences contiguously)."""
+    pages = cache.mla_pages(attn.layer)
+    return pages[0] if pages is not None and _page_rows(pages[0], attn.r + attn.rho) else None
 
 
 def _run_mla(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
@@ -197,8 +198,12 @@ def _page_rows(t, width: int) -> bool:
 
 
 def dsa_pages(attn: MLAttention, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The layer's latent and index-key page rows when both are plain bf16/fp32 rows (not an 8-bit cache)."""
-    latent, keys, scales = cache.mla_pages(attn.layer)
+    """The layer's latent and index-key page rows when both are plain bf16/fp32 rows (not an 8-bit cache, not a
+    cache that stores sequences contiguously)."""
+    pages = cache.mla_pages(attn.layer)
+    if pages is None:
+        return None
+    latent, keys, scales = pages
     if scales is not None or not (_page_rows(latent, attn.r + attn.rho) and _page_rows(keys, attn.indexer.head_dim)):
         return None
     return latent, keys
