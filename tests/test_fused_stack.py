@@ -107,6 +107,19 @@ def test_stack_and_blocks_step_aside_on_a_contiguous_cache(make_checkpoint, monk
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "deepseek-v32-tiny"])
+def test_a_few_tokens_without_a_cache_run_the_modules(make_checkpoint, preset):
+    """The reference forward of a short sequence (no cache at all) takes neither the stack nor the blocks."""
+    model = native_model(make_checkpoint(preset))
+    ids = torch.tensor([5, 11, 2])
+    with torch.inference_mode():
+        fused = model.reference_logits(ids)
+        model.fuse_stack = False
+        for layer in model.layers:
+            layer.fuse_blocks = False
+        assert torch.equal(fused, model.reference_logits(ids))
+
+
 def test_stack_follows_weight_and_cache_changes(make_checkpoint):
     """An in-place weight edit and a new cache object rebuild the program (it holds their addresses)."""
     model = native_model(make_checkpoint("k31-tiny"))

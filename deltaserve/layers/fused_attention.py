@@ -143,8 +143,9 @@ def mla_pages(attn: MLAttention, cache) -> torch.Tensor | None:
 
 def _run_mla(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
              residual: torch.Tensor | None) -> torch.Tensor | None:
-    rows, latent = step_rows(batch), mla_pages(plan.module, batch.cache)
-    if rows is None or latent is None:
+    rows = step_rows(batch)
+    latent = mla_pages(plan.module, batch.cache) if rows is not None else None
+    if latent is None:
         return None
     context_rows, write_rows = rows
     out = torch.empty_like(x)
@@ -223,8 +224,9 @@ def _run_dsa(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
              residual: torch.Tensor | None) -> torch.Tensor | None:
     """Only when the indexer would select every row of every sequence (all contexts within its top-k)."""
     attn = plan.module
-    rows, pages = step_rows(batch), dsa_pages(attn, batch.cache)
-    if not dsa_selects_all(batch) or rows is None or pages is None:
+    rows = step_rows(batch) if dsa_selects_all(batch) else None
+    pages = dsa_pages(attn, batch.cache) if rows is not None else None
+    if pages is None:
         return None
     (context_rows, write_rows), (latent, keys) = rows, pages
     cos_sin = rotation(attn, batch)
