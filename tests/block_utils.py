@@ -22,11 +22,14 @@ def native_model(path):
     return model
 
 
-def twin_caches(model, seed: int) -> list[PagedCache]:
-    """Two caches with the same random KDA states and latent pages (room for 4 sequences of 16 tokens)."""
+def twin_caches(model, seed: int, pages_per_sequence: int = 1) -> list[PagedCache]:
+    """Two caches with the same random KDA states, latent pages and index keys (room for 4 sequences of 16 tokens
+    a page)."""
     g = torch.Generator().manual_seed(seed)
-    caches = [PagedCache(PagePool(model.config, 4, 16, torch.bfloat16), StateSlots(model.config, 5)) for _ in "ab"]
-    pools = [(c.states.conv, c.states.recurrent, *(c.pages.latent_rows(l) for l in c.pages.latent)) for c in caches]
+    caches = [PagedCache(PagePool(model.config, 4 * pages_per_sequence, 16, torch.bfloat16),
+                         StateSlots(model.config, 5)) for _ in "ab"]
+    pools = [(c.states.conv, c.states.recurrent, *(c.pages.latent_rows(l) for l in c.pages.latent),
+              *(c.pages.key_rows(l)[0] for l in c.pages.index_keys)) for c in caches]
     for first, second in zip(*pools):
         init = (torch.randn(first.shape, generator=g) * 0.1).to(first.dtype)
         first.copy_(init)
@@ -34,15 +37,16 @@ def twin_caches(model, seed: int) -> list[PagedCache]:
     return caches
 
 
-def decode_batch(cache: PagedCache, slots: list[int], position: int, config) -> StepBatch:
-    """Sequence i (state slot slots[i]) owns page i and decodes its token at position + i (contexts differ); DSA
-    models get the step's indexer metadata."""
-    N = len(slots)
+def decode_batch(cache: PagedCache, slots: list[int], position: int, config, pages_per_sequence: int = 1) -> StepBatch:
+    """Sequence i (state slot slots[i]) owns pages i * pages_per_sequence onwards (16 rows each) and decodes its
+    token at position + i (contexts differ); DSA models get the step's indexer metadata."""
+    N, span = len(slots), 16 * pages_per_sequence
     positions = [position + i for i in range(N)]
-    handles = [SeqHandle(s, torch.arange(16 * i, 16 * i + p + 1)) for i, (s, p) in enumerate(zip(slots, positions))]
-    write_rows = torch.tensor([16 * i + p for i, p in enumerate(positions)])
-    meta = (build_index_meta([torch.tensor([i]) for i in range(N)], [p + 1 for p in positions], torch.arange(N),
-                             torch.tensor(positions), 16, config.index_topk) if config.has_dsa else None)
+    handles = [SeqHandle(s, torch.arange(span * i, span * i + p + 1)) for i, (s, p) in enumerate(zip(slots, positions))]
+    write_rows = torch.tensor([span * i + p for i, p in enumerate(positions)])
+    tables = [torch.arange(pages_per_sequence * i, pages_per_sequence * (i + 1)) for i in range(N)]
+    meta = (build_index_meta(tables, [p + 1 for p in positions], torch.arange(N), torch.tensor(positions), 16,
+                             config.index_topk) if config.has_dsa else None)
     return StepBatch(torch.tensor(positions), list(range(N + 1)), positions, cache, handles, index_meta=meta,
                      write_rows=write_rows)
 

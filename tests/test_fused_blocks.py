@@ -19,6 +19,7 @@ from deltaserve.models import base
 from deltaserve.models.loader import load_config
 from deltaserve.ops import native
 from deltaserve.ops.kda_native import kda_gate_beta, kda_gate_beta_ref
+from deltaserve.ops.qli import build_index_meta, qli_topk
 from block_utils import decode_batch, fused_and_module_tokens, native_model, twin_caches
 from engine_utils import random_prompts
 
@@ -71,6 +72,59 @@ def test_blocks_equal_the_modules_bit_for_bit(make_checkpoint, preset, slots):
                                            module_cache.pages.key_rows(l)[0].float(), rtol=1e-2, atol=1e-2)
     assert fused_attention == 3 * len(model.layers)
     assert fused_ffn == 3 * len(model.layers)
+
+
+@pytest.mark.parametrize("keys_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [5, 16, 17, 300])
+def test_native_index_selection_matches_qli(keys_dtype, n):
+    """ds_index_select against qli_topk (unquantised keys, no rotation): the same rows in the same order, by score
+    then larger position; n <= top-k gives every row in position order."""
+    g = torch.Generator().manual_seed(n)
+    H, D, topk, rows_total = 4, 32, 16, 320
+    keys = torch.randn(rows_total, D, generator=g).to(keys_dtype)
+    rows = torch.randperm(rows_total, generator=g)[:n]  # the sequence's page rows, positions 0..n-1
+    q = torch.randn(1, H, D, generator=g).to(torch.bfloat16)
+    w = torch.randn(1, H, generator=g)
+    meta = build_index_meta([torch.tensor([0])], [n], torch.tensor([0]), torch.tensor([n - 1]), rows_total,
+                            topk)
+    meta = meta._replace(rows=(rows,))
+    want = qli_topk(q, w, keys, None, meta, quantized=False, rotate=False)[0]
+    got = torch.full((topk,), -2, dtype=torch.int64)
+    w_eff = (w[0] * D ** -0.5).contiguous()
+    native.native_library().ds_index_select(q.data_ptr(), w_eff.data_ptr(), H, D, rows.contiguous().data_ptr(), n,
+                                            keys.data_ptr(), D, keys_dtype == torch.bfloat16, topk, got.data_ptr(),
+                                            2)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("preset", ["k31-tiny", "deepseek-v32-tiny"])
+def test_dsa_block_selects_past_the_top_k(make_checkpoint, preset):
+    """Contexts of 31-34 rows against the tiny presets' top-k of 16: the block's indexer picks the rows (the key
+    pages' selection, in C) and its output follows the modules' (QLI + QSFA) to bf16 rounding; cache pages agree."""
+    model = native_model(make_checkpoint(preset))
+    assert model.config.index_topk == 16
+    g = torch.Generator().manual_seed(9)
+    slots = [0, 3, 1, 2]
+    fused_cache, module_cache = twin_caches(model, 5, pages_per_sequence=3)
+    blocks = 0
+    with torch.inference_mode():
+        for step in range(2):
+            fused_batch = decode_batch(fused_cache, slots, 30 + step, model.config, pages_per_sequence=3)
+            module_batch = decode_batch(module_cache, slots, 30 + step, model.config, pages_per_sequence=3)
+            assert not module_batch.index_meta.all_short
+            for layer in model.layers:
+                if isinstance(layer.self_attn, KimiDeltaAttention) or layer.self_attn.indexer is None:
+                    continue
+                x = torch.randn(len(slots), model.config.hidden_size, generator=g).to(torch.bfloat16)
+                got = attention_block(layer, x, fused_batch, x)
+                want = x + layer.self_attn(layer.input_layernorm(x), module_batch)
+                assert got is not None, f"layer {layer.layer}"
+                torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+                assert (got == want).float().mean() > 0.9
+                blocks += 1
+            for l in fused_cache.pages.latent:
+                assert torch.equal(fused_cache.pages.latent_rows(l), module_cache.pages.latent_rows(l))
+    assert blocks > 0
 
 
 def test_blocks_step_aside_where_they_do_not_apply(make_checkpoint):

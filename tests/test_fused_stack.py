@@ -68,6 +68,29 @@ def test_stack_equals_the_layers_bit_for_bit(make_checkpoint, monkeypatch, prese
     assert taken == [True] * 3
 
 
+@pytest.mark.parametrize("preset", ["k31-tiny", "deepseek-v32-tiny"])
+def test_stack_equals_the_layers_past_the_indexer_top_k(make_checkpoint, monkeypatch, preset):
+    """Contexts of 31-34 rows against a top-k of 16: the DSA blocks select inside the stack as they do alone."""
+    taken = _count_stack_runs(monkeypatch)
+    model = native_model(make_checkpoint(preset))
+    stack_cache, layer_cache = twin_caches(model, 2, pages_per_sequence=3)
+    slots = [1, 0, 3, 2]
+    g = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for step in range(2):
+            ids = torch.randint(0, model.config.vocab_size, (len(slots),), generator=g)
+            batches = [decode_batch(c, slots, 30 + step, model.config, pages_per_sequence=3)
+                       for c in (stack_cache, layer_cache)]
+            assert not batches[0].index_meta.all_short
+            model.fuse_stack = True
+            got = model(ids, batches[0])
+            model.fuse_stack = False
+            want = model(ids, batches[1])
+            assert torch.equal(got, want), f"step {step}"
+            _assert_caches_equal(stack_cache, layer_cache)
+    assert taken == [True] * 2
+
+
 def test_stack_steps_aside_where_a_block_would(make_checkpoint, monkeypatch):
     """More rows than the blocks take, a prefill chunk, a layer with its blocks off and a switch off: the layers
     run (and give the same result as with the stack off)."""
@@ -180,12 +203,13 @@ def test_stack_rejects_a_cache_row_outside_the_pages(make_checkpoint):
 
 
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "deepseek-v32-tiny"])
-def test_engine_decode_runs_through_the_stack(make_checkpoint, monkeypatch, preset):
+@pytest.mark.parametrize("lengths", [[3, 6, 4], [20, 35, 9]])
+def test_engine_decode_runs_through_the_stack(make_checkpoint, monkeypatch, preset, lengths):
     """A bf16 engine's decode steps take the stack, and its greedy tokens are those of the modules (stack and
-    blocks off). The contexts stay within the tiny DSA presets' indexer top-k (16) and one page."""
+    blocks off): contexts within the tiny DSA presets' indexer top-k (16), and past it across page ends."""
     taken = _count_stack_runs(monkeypatch)
     path = make_checkpoint(preset)
-    fused, modules = fused_and_module_tokens(path, random_prompts([3, 6, 4], seed=6, high=700), stack=True)
+    fused, modules = fused_and_module_tokens(path, random_prompts(lengths, seed=6, high=700), stack=True)
     assert fused == modules
     assert taken == [False] + [True] * 7  # one prefill step, then the 7 decode steps of all three
 

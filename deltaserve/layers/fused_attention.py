@@ -177,18 +177,20 @@ def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
 def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor | None:
     """native_src/blocks.c DB_* / DBF_* order; None when the MLAPO weights have no native packs."""
     W = attn._fused_weights()
-    if not {"w_a", "q_b_proj", "w_uk_t"} <= set(W.packed):
+    if not {"w_a", "q_b_proj", "w_uk_t", "index_wq_b"} <= set(W.packed):
         return None
     w_uv, w_o = attn._kv_b_native()[1], native_pack(attn.o_proj)
-    keep = [norm.weight, W.packed["w_a"], W.packed["q_b_proj"], W.packed["w_uk_t"], w_uv, w_o, W.q_a_norm,
-            W.kv_a_norm, W.index_k_norm_weight, W.index_k_norm_bias]
+    keep = [norm.weight, W.packed["w_a"], W.packed["q_b_proj"], W.packed["w_uk_t"], W.packed["index_wq_b"], w_uv,
+            w_o, W.q_a_norm, W.kv_a_norm, W.index_k_norm_weight, W.index_k_norm_bias]
     c = attn.config
     ints = [c.hidden_size, attn.H, attn.n, attn.rho, attn.v, attn.r, c.q_lora_rank, sum(W.split_a),
             attn.H * attn.v if W.g_proj is not None else 0, W.index_head_dim, W.index_rope_dim, norm.weight.data_ptr(),
             W.packed["w_a"].data_ptr(), W.q_a_norm.data_ptr(), W.packed["q_b_proj"].data_ptr(),
             W.kv_a_norm.data_ptr(), W.index_k_norm_weight.data_ptr(), W.index_k_norm_bias.data_ptr(),
-            W.packed["w_uk_t"].data_ptr(), w_uv.data_ptr(), w_o.data_ptr()]
-    floats = [norm.eps, c.mla_norm_eps, c.mla_norm_eps, c.index_norm_eps, attn.scale]
+            W.packed["w_uk_t"].data_ptr(), w_uv.data_ptr(), w_o.data_ptr(), W.index_n_heads, c.index_topk,
+            W.packed["index_wq_b"].data_ptr()]
+    floats = [norm.eps, c.mla_norm_eps, c.mla_norm_eps, c.index_norm_eps, attn.scale, W.index_n_heads ** -0.5,
+              W.index_head_dim ** -0.5]
     return Descriptor(ints, floats, keep)
 
 
@@ -210,11 +212,6 @@ def dsa_pages(attn: MLAttention, cache) -> tuple[torch.Tensor, torch.Tensor] | N
     return latent, keys
 
 
-def dsa_selects_all(batch: StepBatch) -> bool:
-    """The indexer would select every row of every sequence: all contexts lie within its top-k."""
-    return batch.index_meta is not None and batch.index_meta.all_short
-
-
 def rotation(attn: MLAttention, batch: StepBatch) -> torch.Tensor | None:
     """[2, N, rho / 2] fp32 cos and sin at the step's positions (DeepSeek-V3.2's RoPE), None for NoPE."""
     return torch.stack(attn.rotary.cos_sin(batch.positions)).float().contiguous() if attn.rotary else None
@@ -222,9 +219,9 @@ def rotation(attn: MLAttention, batch: StepBatch) -> torch.Tensor | None:
 
 def _run_dsa(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
              residual: torch.Tensor | None) -> torch.Tensor | None:
-    """Only when the indexer would select every row of every sequence (all contexts within its top-k)."""
+    """The indexer's selection runs inside the block (native_src/indexer.c) for contexts past its top-k."""
     attn = plan.module
-    rows = step_rows(batch) if dsa_selects_all(batch) else None
+    rows = step_rows(batch)
     pages = dsa_pages(attn, batch.cache) if rows is not None else None
     if pages is None:
         return None

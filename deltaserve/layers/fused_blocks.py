@@ -5,12 +5,14 @@ At batch 1 a kimi-linear-small step spent about as long in the Python and torch 
 (~10 calls and ~40 small ops a layer: norms, projections, gate math, views, the router's dozen ops, the residual
 adds) as in the kernels themselves. A fused block runs the same kernels in the same order from C, so its output
 equals the modules' bit for bit: the modules' forward is its twin (tests/test_fused_blocks.py). The DSA block is
-the exception: its index-key LayerNorm and output-gate sigmoid are computed in C, equal to fp32 rounding.
+the exception: its index-key LayerNorm, output-gate sigmoid and index scores are computed in C, equal to fp32
+rounding.
 
 A block applies when every part it composes runs on the native kernels (`native` switched on, bf16, unquantised)
 and the step is small: KDA attention, Kimi's dense NoPE MLA over paged bf16/fp32 latents, or a DSA layer (K3's
-NoPE, DeepSeek-V3.2's RoPE) while the indexer's top-k covers every sequence's whole context (then it selects every
-row: only its key is computed and stored), on a pure decode step of at most `LINEAR_MAX_ROWS` sequences; a MoE
+NoPE, DeepSeek-V3.2's RoPE) over plain bf16/fp32 latent and index-key pages (past the indexer's top-k the block
+scores the keys and selects in C, native_src/indexer.c), on a pure decode step of at most `LINEAR_MAX_ROWS`
+sequences; a MoE
 or dense-MLP FFN over at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS` for K3's latent MoE, whose down and up
 projections are plain linears). Otherwise the calls return None and the layer runs its modules.
 

@@ -9,7 +9,7 @@ path's, so the hidden states, states and cache rows are the same bit for bit (te
 
 The stack applies when every layer's blocks would apply on this step (the same conditions as the per-layer path:
 every block kind fusable, every native switch and `fuse_blocks` on, a pure decode step of at most the blocks' row
-count, plain bf16/fp32 pages, DSA contexts within the indexer's top-k, AttnRes mixes on the native kernel);
+count, plain bf16/fp32 pages, AttnRes mixes on the native kernel);
 otherwise the layers run one by one. Prefix-cache snapshots of the step (a sequence ending a page) are copied
 from the KDA slots after the call, as the blocks do. The program holds cache addresses and the descriptors'
 addresses, so it is rebuilt when the cache object or any weight it reads (storage or version counter) changes.
@@ -25,8 +25,7 @@ import torch
 from ..ops import native
 from ..ops.attn_res import attn_res_mix
 from .batch import StepBatch
-from .fused_attention import (dsa_pages, dsa_selects_all, kda_pools, mla_pages, rotation, save_decode_checkpoints,
-                              step_rows)
+from .fused_attention import dsa_pages, kda_pools, mla_pages, rotation, save_decode_checkpoints, step_rows
 from .fused_plan import Plan, takes_block
 from .prepack import Derived
 
@@ -183,8 +182,6 @@ class DecodeStack:
                 return None
             rows, write = both
         if "dsa" in self._kinds:
-            if not dsa_selects_all(batch):
-                return None
             # every DSA layer's rotation is built from the same config keys, so one serves them all
             cos_sin = rotation(next(a.module for a, _ in self._plans if a.kind == "dsa"), batch)
         keep = [t for t in (slots, rows, write, cos_sin) if t is not None]

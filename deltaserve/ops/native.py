@@ -1,5 +1,5 @@
-"""The native CPU kernels (`native_src/`: products.c, attention.c, blocks.c, stack.c, common.h, kernels.h): built
-once per machine, loaded through ctypes.
+"""The native CPU kernels (`native_src/`: products.c, attention.c, blocks.c, indexer.c, stack.c, common.h,
+kernels.h): built once per machine, loaded through ctypes.
 
 The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
 into the cache folder (`envs.cache_dir()`), under a name that hashes the sources, the flags and the compiler, so
@@ -103,6 +103,8 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_dsa_block.restype = ctypes.c_int
     lib.ds_attn_res_mix.argtypes = [_P, _I, _I, _I, _P, _P, _F, _P, ctypes.c_int]
     lib.ds_attn_res_mix.restype = None
+    lib.ds_index_select.argtypes = [_P, _P, _I, _I, _P, _I, _P, _I, ctypes.c_int, _I, _P, ctypes.c_int]
+    lib.ds_index_select.restype = None
     lib.ds_decode_stack.argtypes = [_P, _I, _I, _I, _P, _P, ctypes.c_int]
     lib.ds_decode_stack.restype = ctypes.c_int64
     return lib

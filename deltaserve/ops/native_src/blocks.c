@@ -229,7 +229,7 @@ int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
 }
 
 enum { DB_D, DB_H, DB_N, DB_RHO, DB_V, DB_R, DB_RQ, DB_NA, DB_G, DB_DI, DB_IROPE, DB_NORM_W, DB_W_A, DB_QA_NORM_W,
-       DB_W_QB, DB_KVA_NORM_W, DB_IK_NORM_W, DB_IK_NORM_B, DB_W_UK, DB_W_UV, DB_W_O };
+       DB_W_QB, DB_KVA_NORM_W, DB_IK_NORM_W, DB_IK_NORM_B, DB_W_UK, DB_W_UV, DB_W_O, DB_HI, DB_TOPK, DB_W_IQ };
 
 /* RoPE on bf16 x in place with cos/sin [half] fp32, each product and sum rounded as torch's separate ops
  * (layers/rope.py): interleaved pairs (2j, 2j+1), laid out [rotated evens | rotated odds]; or half-split pairs
@@ -246,17 +246,47 @@ static void rope_bf16(bf16 *x, const float *c, const float *s, int64_t half, int
         x[half + j] = f32_to_bf16(bc + as);
     }
 }
-enum { DBF_EPS, DBF_Q_EPS, DBF_KV_EPS, DBF_INDEX_EPS, DBF_SCALE };
+enum { DBF_EPS, DBF_Q_EPS, DBF_KV_EPS, DBF_INDEX_EPS, DBF_SCALE, DBF_IW_SCALE, DBF_ID_SCALE };
 
-/* out = r + DSA(rmsnorm(x)) for N decode tokens of a DSA layer (query LoRA) when the indexer's top-k covers every row
- * of each sequence (its scores would select them all: ops/qli.py), so only its key is computed and stored.
+/* The indexer's choice for N decode tokens whose contexts may pass the top-k (ds_index_select per token): the
+ * index queries wq_b(c_q) (their first IROPE dims rotated half-split, as ops/mlapo.py) against the cached keys,
+ * with head weights bf16(w_raw) * HI^-1/2 * DI^-1/2. selected [N, nsel] holds each token's context rows in
+ * position order, -1 padded. Returns [N, TOPK] rows (malloc'd), -1 padded. */
+static int64_t *index_select(const int64_t *desc, const float *fdesc, const bf16 *cq, const bf16 *A,
+                             const float *cos_sin, const int64_t *selected, int64_t nsel, int64_t N, const void *keys,
+                             int64_t ldk, int keys_bf16, int nthreads) {
+    int64_t HI = desc[DB_HI], DI = desc[DB_DI], TOPK = desc[DB_TOPK], NA = desc[DB_NA], IROPE = desc[DB_IROPE];
+    int64_t W0 = desc[DB_RQ] + desc[DB_R] + desc[DB_RHO] + desc[DB_G] + DI, RHO = desc[DB_RHO];
+    bf16 *iq = malloc(sizeof(bf16) * (size_t)(N * HI * DI));
+    float *w = malloc(sizeof(float) * (size_t)HI);
+    int64_t *chosen = malloc(sizeof(int64_t) * (size_t)(N * TOPK));
+    linear_1(cq, N, desc[DB_RQ], (const bf16 *)desc[DB_W_IQ], HI * DI, iq, nthreads);
+    for (int64_t i = 0; i < N; i++) {
+        if (cos_sin != NULL && IROPE > 0)
+            for (int64_t h = 0; h < HI; h++)
+                rope_bf16(iq + (i * HI + h) * DI, cos_sin + i * (RHO / 2), cos_sin + (N + i) * (RHO / 2), IROPE / 2, 0);
+        for (int64_t h = 0; h < HI; h++)
+            w[h] = bf16_to_f32(A[i * NA + W0 + h]) * fdesc[DBF_IW_SCALE] * fdesc[DBF_ID_SCALE];
+        int64_t n = 0;
+        while (n < nsel && selected[i * nsel + n] >= 0) n++;
+        ds_index_select(iq + i * HI * DI, w, HI, DI, selected + i * nsel, n, keys, ldk, keys_bf16, TOPK,
+                        chosen + i * TOPK, nthreads);
+    }
+    free(iq);
+    free(w);
+    return chosen;
+}
+
+/* out = r + DSA(rmsnorm(x)) for N decode tokens of a DSA layer (query LoRA). selected [N, nsel] holds each token's
+ * context rows in position order (-1 padded); when a context is within the indexer's top-k the indexer would
+ * select it all (ops/qli.py), otherwise `index_select` scores and picks TOPK rows (native_src/indexer.c).
  * layers/mla.py + ops/mlapo.py: one product on the stacked w_a [q_a (RQ) | kv_a (R + RHO) | gate (G, or none) |
  * index wk (DI) | index weights (H_I)] (NA outputs), q_a's RMSNorm and q_b, kv_a's RMSNorm, the index key's
  * LayerNorm (fp32 statistics, bf16 weight and bias); the latent row [c | k_pe] and the key written at write_rows[i]
  * (< 0: not written) into pages [nrows, R + RHO] (stride ld) and keys [nrows, DI] (stride ldk), bf16 or fp32 each;
  * `attend_absorbed` over selected; the heads' values gated by sigmoid(gate) (G > 0); o_proj. x, r (NULL: none) and
- * out [N, D] bf16 contiguous. Equal to the modules up to fp32 rounding (the LayerNorm statistics and the sigmoid
- * are computed in another order). With cos_sin ([2][N][RHO / 2] fp32: DeepSeek-V3.2's RoPE at the tokens'
+ * out [N, D] bf16 contiguous. Equal to the modules up to fp32 rounding (the LayerNorm statistics, the sigmoid
+ * and the index scores are computed in another order; a near-tie at the top-k cut may select another row). With cos_sin ([2][N][RHO / 2] fp32: DeepSeek-V3.2's RoPE at the tokens'
  * positions; NULL for K3's NoPE) q_pe and k_pe are rotated interleaved and the index key's first IROPE dims
  * half-split, as ops/mlapo.py does. Returns 0, or -1 (nothing written) when a row is not below nrows or a
  * rotation is wider than 512. */
@@ -303,8 +333,12 @@ int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
         store_row(pages, pages_bf16, ld, write_rows[i], row + i * CW, CW);
         store_row(keys, keys_bf16, ldk, write_rows[i], ik + i * DI, DI);
     }
-    int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, desc[DB_W_UK], desc[DB_W_UV], selected, nsel, pages, ld,
-                              nrows, pages_bf16, fdesc[DBF_SCALE], vals, nthreads);
+    int64_t *chosen = nsel > desc[DB_TOPK] ? index_select(desc, fdesc, cq, A, cos_sin, selected, nsel, N, keys, ldk,
+                                                          keys_bf16, nthreads) : NULL;
+    int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, desc[DB_W_UK], desc[DB_W_UV], chosen ? chosen : selected,
+                              chosen ? desc[DB_TOPK] : nsel, pages, ld, nrows, pages_bf16, fdesc[DBF_SCALE], vals,
+                              nthreads);
+    free(chosen);
     if (!bad) {
         const bf16 *o = vals;
         if (G > 0) { /* bf16(vals * sigmoid(gate)) in fp32 */
