@@ -286,10 +286,10 @@ static int64_t *index_select(const int64_t *desc, const float *fdesc, const bf16
  * (< 0: not written) into pages [nrows, R + RHO] (stride ld) and keys [nrows, DI] (stride ldk), bf16 or fp32 each;
  * `attend_absorbed` over selected; the heads' values gated by sigmoid(gate) (G > 0); o_proj. x, r (NULL: none) and
  * out [N, D] bf16 contiguous. Equal to the modules up to fp32 rounding (the LayerNorm statistics, the sigmoid
- * and the index scores are computed in another order; a near-tie at the top-k cut may select another row). With cos_sin ([2][N][RHO / 2] fp32: DeepSeek-V3.2's RoPE at the tokens'
- * positions; NULL for K3's NoPE) q_pe and k_pe are rotated interleaved and the index key's first IROPE dims
- * half-split, as ops/mlapo.py does. Returns 0, or -1 (nothing written) when a row is not below nrows or a
- * rotation is wider than 512. */
+ * and the index scores are computed in another order; a near-tie at the top-k cut may select another row). With
+ * cos_sin ([2][N][RHO / 2] fp32: DeepSeek-V3.2's RoPE at the tokens' positions; NULL for K3's NoPE) q_pe and k_pe
+ * are rotated interleaved and the index key's (and index queries') first IROPE dims half-split, as ops/mlapo.py
+ * does. Returns 0, or -1 (nothing written) when a row is not below nrows or a rotation is wider than 512. */
 int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
                  const int64_t *selected, int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld,
                  int64_t nrows, int pages_bf16, void *keys, int64_t ldk, int keys_bf16, const float *cos_sin,
