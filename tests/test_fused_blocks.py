@@ -75,14 +75,16 @@ def test_blocks_equal_the_modules_bit_for_bit(make_checkpoint, preset, slots):
 
 
 @pytest.mark.parametrize("keys_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n", [5, 16, 17, 300])
-def test_native_index_selection_matches_qli(keys_dtype, n):
+@pytest.mark.parametrize("n, heads, nan_keys", [(5, 4, 0), (16, 4, 0), (17, 20, 0), (300, 20, 0), (20, 16, 8)])
+def test_native_index_selection_matches_qli(keys_dtype, n, heads, nan_keys):
     """ds_index_select against qli_topk (unquantised keys, no rotation): the same rows in the same order, by score
-    then larger position; n <= top-k gives every row in position order."""
-    g = torch.Generator().manual_seed(n)
-    H, D, topk, rows_total = 4, 32, 16, 320
+    then larger position; n <= top-k gives every row in position order; NaN scores rank last, by position. 16 and
+    20 heads take the vector path, 4 and the last 4 of 20 the scalar one."""
+    g = torch.Generator().manual_seed(n + nan_keys)
+    H, D, topk, rows_total = heads, 32, 16, 320
     keys = torch.randn(rows_total, D, generator=g).to(keys_dtype)
     rows = torch.randperm(rows_total, generator=g)[:n]  # the sequence's page rows, positions 0..n-1
+    keys[rows[:nan_keys]] = float("nan")  # 12 scored rows of 20 and 8 NaN ones: the 4 at the largest positions go
     q = torch.randn(1, H, D, generator=g).to(torch.bfloat16)
     w = torch.randn(1, H, generator=g)
     meta = build_index_meta([torch.tensor([0])], [n], torch.tensor([0]), torch.tensor([n - 1]), rows_total,
