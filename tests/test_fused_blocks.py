@@ -100,9 +100,11 @@ def test_native_index_selection_matches_qli(keys_dtype, n, heads, nan_keys):
 
 
 @pytest.mark.parametrize("preset", ["k31-tiny", "deepseek-v32-tiny"])
-def test_dsa_block_selects_past_the_top_k(make_checkpoint, preset):
-    """Contexts of 31-34 rows against the tiny presets' top-k of 16: the block's indexer picks the rows (the key
-    pages' selection, in C) and its output follows the modules' (QLI + QSFA) to bf16 rounding; cache pages agree."""
+@pytest.mark.parametrize("position", [14, 30])
+def test_dsa_block_selects_past_the_top_k(make_checkpoint, preset, position):
+    """Contexts of 15-19 rows (some within the tiny presets' top-k of 16, some past it) or 31-35 rows: the block's
+    indexer picks the rows (in C) where a context passes the top-k, and its output follows the modules' (QLI +
+    QSFA) to bf16 rounding; cache pages agree."""
     model = native_model(make_checkpoint(preset))
     assert model.config.index_topk == 16
     g = torch.Generator().manual_seed(9)
@@ -111,8 +113,8 @@ def test_dsa_block_selects_past_the_top_k(make_checkpoint, preset):
     blocks = 0
     with torch.inference_mode():
         for step in range(2):
-            fused_batch = decode_batch(fused_cache, slots, 30 + step, model.config, pages_per_sequence=3)
-            module_batch = decode_batch(module_cache, slots, 30 + step, model.config, pages_per_sequence=3)
+            fused_batch = decode_batch(fused_cache, slots, position + step, model.config, pages_per_sequence=3)
+            module_batch = decode_batch(module_cache, slots, position + step, model.config, pages_per_sequence=3)
             assert not module_batch.index_meta.all_short
             for layer in model.layers:
                 if isinstance(layer.self_attn, KimiDeltaAttention) or layer.self_attn.indexer is None:
