@@ -2,7 +2,7 @@
 
 With every layer's sub-blocks fused (layers/fused_blocks.py), a batch-1 step of kimi-linear-small still spent
 about 1.9 of 13.3 ms in Python between its 33 native calls (argument checks, descriptor keys, ctypes, output
-tensors), and k31-small about 3 of 15 ms around its 64 blocks and 33 AttnRes mixes. `DecodeStack` writes the
+tensors), and k31-small about 3 of 15 ms around its 64 blocks and 32 AttnRes mixes. `DecodeStack` writes the
 layers' blocks and mixes, in the order the layers' forward makes them, as one program over a register file of
 [N, d] row sets; a step checks its inputs once and makes one call. The calls and their inputs are the per-layer
 path's, so the hidden states, states and cache rows are the same bit for bit (tests/test_fused_stack.py).
@@ -64,10 +64,10 @@ class _Writer:
         self.words += [code, len(words) + 2, *words]
         self.kinds.append(kind)
 
-    def block(self, plan: Plan, x: int, residual: int | None, out: int, cache_words: list[int]) -> None:
-        desc = plan.weights_descriptor()
-        self.op(plan.kind, _OPS[plan.kind], [x, -1 if residual is None else residual, out, desc.ints_address,
-                                             desc.floats_address, *cache_words])
+    def block(self, block: tuple[str, list[int]], x: int, residual: int | None, out: int) -> None:
+        """One fused block: its kind and its fixed words (descriptor and cache addresses), over registers."""
+        kind, fixed = block
+        self.op(kind, _OPS[kind], [x, -1 if residual is None else residual, out, *fixed])
 
     def mix(self, query, sources: list[int]) -> int:
         """The register of AttnRes's mix of `sources` (the source itself when there is one, as attn_res_mix)."""
@@ -192,36 +192,36 @@ class DecodeStack:
 
     def _write(self, model: torch.nn.Module, cache) -> _Program | None:
         """The program of the current weights over `cache`, or None when some block does not apply to them."""
-        cache_words = []
+        blocks, keep = [], []
         for pair in self._plans:
             for plan in pair:
-                words = _cache_words(plan, cache)
-                if words is None or plan.weights_descriptor() is None:
+                desc, words = plan.weights_descriptor(), _cache_words(plan, cache)
+                if desc is None or words is None:
                     return None
-                cache_words.append(words)
+                keep.append(desc)
+                blocks.append((plan.kind, [desc.ints_address, desc.floats_address, *words]))
+        layers = list(zip(blocks[::2], blocks[1::2]))  # (attention, FFN) of each layer
         w = _Writer()
-        keep = [p.weights_descriptor() for pair in self._plans for p in pair]
         if model.config.attn_res_block_size is None:
             h = 0
-            for (attn, ffn), (attn_words, ffn_words) in zip(self._plans, zip(cache_words[::2], cache_words[1::2])):
+            for attn, ffn in layers:
                 a = w.fresh()
-                w.block(attn, h, h, a, attn_words)
+                w.block(attn, h, h, a)
                 w.release(h)
                 h = w.fresh()
-                w.block(ffn, a, a, h, ffn_words)
+                w.block(ffn, a, a, h)
                 w.release(a)
             return _Program(w.words, w.kinds, w.registers, h, keep)
         bank: list[int] = []
         p = 0
-        for layer, (attn, ffn), (attn_words, ffn_words) in zip(model.layers, self._plans,
-                                                                zip(cache_words[::2], cache_words[1::2])):
+        for layer, (attn, ffn) in zip(model.layers, layers):
             # the registers of DecoderLayer.forward_attn_res: x, the bank of block sums, the partial sum p, y
             x = w.mix(layer.self_attention_res, bank + [p]) if bank else p
             write = model.config.attnres_write(layer.layer)
             if write:
                 bank.append(p)
             a = w.fresh()
-            w.block(attn, x, None if write else p, a, attn_words)
+            w.block(attn, x, None if write else p, a)
             if x != p:
                 w.release(x)
             if not write:
@@ -229,7 +229,7 @@ class DecodeStack:
             p = a
             y = w.mix(layer.mlp_res, bank + [p])
             out = w.fresh()
-            w.block(ffn, y, p, out, ffn_words)
+            w.block(ffn, y, p, out)
             if y != p:
                 w.release(y)
             w.release(p)
