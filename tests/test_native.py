@@ -154,8 +154,34 @@ def test_moe_matches_the_torch_dispatch(T):
     # can move an intermediate bf16 rounding by one step
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=2 ** -6)
     assert (got == ref).float().mean() > 0.9
+    # the module's native path reads the column-packed stacks (the outer-product kernel): the same contract
+    columns = tuple(native.pack_columns(w) for w in (experts.w1, experts.w3, experts.w2))
+    got_columns = native.moe_bf16(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2,
+                                  packed=columns)
+    torch.testing.assert_close(got_columns, ref, atol=2e-3, rtol=2 ** -6)
+    assert (got_columns == ref).float().mean() > 0.9
     assert enable_native_kernels(experts) == 1
-    assert torch.equal(experts(x, routing), got)
+    assert torch.equal(experts(x, routing), got_columns)
+
+
+@pytest.mark.parametrize("D, I", [(97, 33), (64, 128), (130, 70)])
+def test_column_packed_experts_match_the_torch_dispatch_at_odd_sizes(D, I):
+    """The outer-product kernel over pack_columns: odd K (the last pair half padding), widths past and short of
+    the 64-column blocks, and experts with more tokens than a register tile (6) and with none."""
+    E, k, T = 6, 2, 40
+    experts = _experts(E, D, I, T)
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    picks = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])  # expert E - 1: no token
+    routing = Routing(picks, torch.rand(T, k, generator=g))
+    packed = tuple(native.pack_columns(w) for w in (experts.w1, experts.w3, experts.w2))
+    assert [tuple(p.shape) for p in packed] == [native.column_packed_shape(w.shape)
+                                                for w in (experts.w1, experts.w3, experts.w2)]
+    assert packed[0].shape[-4:] == (-(-I // 64), -(-D // 2), 64, 2)
+    got = native.moe_bf16(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2, packed=packed)
+    ref = experts(x, routing)
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=2 ** -6)
+    assert (got == ref).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("linear_beta", [None, 3.0])
@@ -186,6 +212,10 @@ def test_moe_rejects_bad_expert_ids_and_shapes():
         native.moe_bf16(x, torch.tensor([[0], [1]]), torch.ones(2, 1), experts.w1, experts.w3, experts.w1)
     with pytest.raises(ValueError):
         native.moe_bf16(x, torch.tensor([[0, 1]]), torch.ones(1, 2), experts.w1, experts.w3, experts.w2)
+    mixed = (native.pack_columns(experts.w1), native.pack_rows(experts.w3), native.pack_columns(experts.w2))
+    with pytest.raises(ValueError, match="pack_rows or pack_columns"):
+        native.moe_bf16(x, torch.tensor([[0], [1]]), torch.ones(2, 1), experts.w1, experts.w3, experts.w2,
+                        packed=mixed)
 
 
 @pytest.mark.parametrize("T", [1, 4, 7, MLP_MAX_ROWS + 5])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.native import moe_bf16, pack_rows, router_bf16
+from ..ops.native import moe_bf16, pack_columns, router_bf16
 from .linear import Linear
 from .prepack import Derived, PackedWeights, linear_group, packed_linear
 from .mlp import MLP, glu_activation, situ_params
@@ -110,9 +110,10 @@ class Experts(nn.Module):
         return self._packed[e]
 
     def _native_weights(self) -> tuple[torch.Tensor, ...]:
-        """w1, w3, w2 in the native kernels' packed layout, rebuilt when a source's storage or version moves."""
+        """w1, w3, w2 in the expert kernel's column-packed layout, rebuilt when a source's storage or version
+        moves."""
         weights = [self.w1, self.w3, self.w2]
-        return self._native_packed.get(weights, lambda: tuple(pack_rows(w) for w in weights))
+        return self._native_packed.get(weights, lambda: tuple(pack_columns(w) for w in weights))
 
     def pack_now(self) -> None:
         """Pack every expert up front, so no step pays for packing an expert the first time it is routed to: all

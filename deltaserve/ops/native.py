@@ -138,6 +138,24 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
     return huge_page_empty(tiles.shape, torch.bfloat16).copy_(tiles)
 
 
+def column_packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape `pack_columns` gives weights of this shape."""
+    *lead, N, K = shape
+    return (*lead, -(-N // 64), -(-K // 2), 64, 2)
+
+
+def pack_columns(w: torch.Tensor) -> torch.Tensor:
+    """The expert kernel's column-packed layout of bf16 weights [..., N, K] (native_src/experts.c): per matrix,
+    blocks of 64 output rows, each [ceil(K/2), 64, 2] (pairs of k inner, the order AVX512-BF16's pair products
+    take), rows and K zero-padded, so a block is one sequential stream. Huge pages as `pack_rows`."""
+    N, K = w.shape[-2:]
+    Np, Kp = -(-N // 64) * 64, -(-K // 2) * 2
+    lead = w.shape[:-2]
+    padded = torch.nn.functional.pad(w.detach().to(torch.bfloat16), (0, Kp - K, 0, Np - N))
+    blocks = padded.reshape(*lead, Np // 64, 64, Kp // 2, 2).transpose(-3, -2)
+    return huge_page_empty(blocks.shape, torch.bfloat16).copy_(blocks)
+
+
 HUGE_PAGE = 2 << 20
 
 
@@ -238,8 +256,9 @@ def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: 
              situ: tuple[float, float | None] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) with gated experts stacked as w1/w3 [E, I, D] and
     w2 [E, D, I] (bf16, contiguous); experts int64 [T, k], weights fp32 [T, k]. Returns bf16 [T, D]. With
-    `packed` (`pack_rows` of w1, w3, w2) the kernel reads those; w1/w3/w2 then give the shapes. The activation
-    is SiLU-GLU, or SiTU with `situ` = (beta, linear_beta or None) (ops/activation.py)."""
+    `packed` (`pack_rows` of w1, w3, w2: the dot-product tiles, or `pack_columns` of them: the outer-product
+    kernel) the kernel reads those; w1/w3/w2 then give the shapes. The activation is SiLU-GLU, or SiTU with
+    `situ` = (beta, linear_beta or None) (ops/activation.py)."""
     T, D = x.shape
     E, I, _ = w1.shape
     if not (x.is_contiguous() and _rows(x) and w1.shape == w3.shape == (E, I, D) and w2.shape == (E, D, I)):
@@ -247,8 +266,14 @@ def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: 
     mats = packed if packed is not None else (w1, w3, w2)
     if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in mats):
         raise ValueError("moe_bf16 takes contiguous bf16 expert weights")
-    if packed is not None and [tuple(p.shape) for p in packed] != [packed_shape(w.shape) for w in (w1, w3, w2)]:
-        raise ValueError("moe_bf16: packed weights must be pack_rows(w1), pack_rows(w3), pack_rows(w2)")
+    layout = 0
+    if packed is not None:
+        shapes = [tuple(p.shape) for p in packed]
+        for layout, shape_of in ((1, packed_shape), (2, column_packed_shape)):
+            if shapes == [shape_of(w.shape) for w in (w1, w3, w2)]:
+                break
+        else:
+            raise ValueError("moe_bf16: packed weights must be pack_rows or pack_columns of w1, w3 and w2")
     experts = experts.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     if experts.shape != weights.shape or experts.shape[0] != T:
@@ -258,7 +283,7 @@ def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: 
     h = torch.empty(T * k, I, dtype=torch.bfloat16)
     bad = native_library().ds_moe_bf16(x.data_ptr(), T, D, experts.data_ptr(), weights.data_ptr(), k,
                                        mats[0].data_ptr(), mats[1].data_ptr(), mats[2].data_ptr(), E, I,
-                                       packed is not None, situ is not None, situ[0] if situ else 0.0,
+                                       layout, situ is not None, situ[0] if situ else 0.0,
                                        float("nan") if situ is None or situ[1] is None else situ[1], h.data_ptr(),
                                        out.data_ptr(), torch.get_num_threads())
     if bad:

@@ -70,10 +70,10 @@ enum { MB_D, MB_NORM_W, MB_E, MB_I, MB_K, MB_ROUTER_W, MB_BIAS, MB_SOFTMAX, MB_G
 enum { MBF_EPS, MBF_SCALE, MBF_BETA, MBF_LIN_BETA, MBF_LATENT_EPS };
 
 /* out = r + FFN(rmsnorm(x)) for T tokens, where FFN is routed experts (E > 0: the router on the normed x, then the
- * fused expert kernel over the packed stacks; with a latent width L > 0, K3's latent form: the experts run on
- * down(x) [T, L], their output optionally RMS-normed, then up to D) plus a shared or dense gated MLP (shared
- * width > 0: the expert kernel with one expert of weight 1), the two outputs each rounded to bf16 and summed in
- * bf16 (layers/moe.py, layers/mlp.py). x, r (NULL: none) and out [T, D] bf16 contiguous. Returns 0, or -1
+ * fused expert kernel over the column-packed stacks, experts.c; with a latent width L > 0, K3's latent form: the
+ * experts run on down(x) [T, L], their output optionally RMS-normed, then up to D) plus a shared or dense gated MLP
+ * (shared width > 0: the expert kernel with one expert of weight 1), the two outputs each rounded to bf16 and
+ * summed in bf16 (layers/moe.py, layers/mlp.py). x, r (NULL: none) and out [T, D] bf16 contiguous. Returns 0, or -1
  * (nothing written) when the router rejects its shape. */
 int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t T, bf16 *out,
                  int nthreads) {
@@ -95,7 +95,7 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
             linear_1(x, T, D, (const bf16 *)desc[MB_W_DOWN], L, xe, nthreads);
         if (!bad)
             bad = ds_moe_bf16(L > 0 ? xe : x, T, DE, experts, weights, k, (const bf16 *)desc[MB_W1],
-                              (const bf16 *)desc[MB_W3], (const bf16 *)desc[MB_W2], E, I, 1, act, fdesc[MBF_BETA],
+                              (const bf16 *)desc[MB_W3], (const bf16 *)desc[MB_W2], E, I, 2, act, fdesc[MBF_BETA],
                               fdesc[MBF_LIN_BETA], hbuf, L > 0 ? ye : routed, nthreads);
         if (!bad && L > 0) {
             const bf16 *latent_out = ye;

@@ -205,4 +205,36 @@ static inline void vexp(float *out, const float *in, int64_t n) {
     for (; i < n; i++) out[i] = expf(in[i]);
 }
 
+/* The gated activation of n columns of one token, from the fp32 dot products g (gate) and u (up), which are
+ * first rounded to bf16 as the reference's products are. act->kind 0: SiLU-GLU, bf16(bf16(silu(g)) * u) (torch's
+ * silu rounds, then the product rounds); 1: SiTU, bf16((beta tanh(g / beta)) sigmoid(g) * up) in fp32 with up =
+ * u, or lin_beta tanh(u / lin_beta) when has_lin. Exponentials vectorised (vexp); tanh(x) = 1 - 2 / (e^{2x} + 1). */
+typedef struct {
+    int kind, has_lin;
+    float beta, lin_beta;
+} glu_act;
+
+static inline void glu_block(float *g, float *u, int64_t n, const glu_act *act, bf16 *out) {
+    float e[BLOCK_ROWS], t[BLOCK_ROWS];
+    for (int64_t c = 0; c < n; c++) {
+        g[c] = round_bf16(g[c]);
+        u[c] = round_bf16(u[c]);
+        e[c] = -g[c];
+    }
+    vexp(e, e, n);
+    if (act->kind == 0) {
+        for (int64_t c = 0; c < n; c++) out[c] = f32_to_bf16(round_bf16(g[c] / (1.f + e[c])) * u[c]);
+        return;
+    }
+    for (int64_t c = 0; c < n; c++) t[c] = 2.f * g[c] / act->beta;
+    vexp(t, t, n);
+    for (int64_t c = 0; c < n; c++) g[c] = (act->beta * (1.f - 2.f / (t[c] + 1.f))) * (1.f / (1.f + e[c]));
+    if (act->has_lin) {
+        for (int64_t c = 0; c < n; c++) t[c] = 2.f * u[c] / act->lin_beta;
+        vexp(t, t, n);
+        for (int64_t c = 0; c < n; c++) u[c] = act->lin_beta * (1.f - 2.f / (t[c] + 1.f));
+    }
+    for (int64_t c = 0; c < n; c++) out[c] = f32_to_bf16(g[c] * u[c]);
+}
+
 #endif

@@ -37,71 +37,17 @@ void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const int64_t *desc, i
     }
 }
 
-/* The gated activation of n columns of one token, from the fp32 dot products g (gate) and u (up), which are
- * first rounded to bf16 as the reference's products are. act->kind 0: SiLU-GLU, bf16(bf16(silu(g)) * u) (torch's
- * silu rounds, then the product rounds); 1: SiTU, bf16((beta tanh(g / beta)) sigmoid(g) * up) in fp32 with up =
- * u, or lin_beta tanh(u / lin_beta) when has_lin. Exponentials vectorised (vexp); tanh(x) = 1 - 2 / (e^{2x} + 1). */
-typedef struct {
-    int kind, has_lin;
-    float beta, lin_beta;
-} glu_act;
-
-static void glu_block(float *g, float *u, int64_t n, const glu_act *act, bf16 *out) {
-    float e[BLOCK_ROWS], t[BLOCK_ROWS];
-    for (int64_t c = 0; c < n; c++) {
-        g[c] = round_bf16(g[c]);
-        u[c] = round_bf16(u[c]);
-        e[c] = -g[c];
-    }
-    vexp(e, e, n);
-    if (act->kind == 0) {
-        for (int64_t c = 0; c < n; c++) out[c] = f32_to_bf16(round_bf16(g[c] / (1.f + e[c])) * u[c]);
-        return;
-    }
-    for (int64_t c = 0; c < n; c++) t[c] = 2.f * g[c] / act->beta;
-    vexp(t, t, n);
-    for (int64_t c = 0; c < n; c++) g[c] = (act->beta * (1.f - 2.f / (t[c] + 1.f))) * (1.f / (1.f + e[c]));
-    if (act->has_lin) {
-        for (int64_t c = 0; c < n; c++) t[c] = 2.f * u[c] / act->lin_beta;
-        vexp(t, t, n);
-        for (int64_t c = 0; c < n; c++) u[c] = act->lin_beta * (1.f - 2.f / (t[c] + 1.f));
-    }
-    for (int64_t c = 0; c < n; c++) out[c] = f32_to_bf16(g[c] * u[c]);
-}
-
-/* Gated experts over a few tokens: out [T, D] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t]), where
- * expert_e(v) = W2[e] @ act(W1[e] v, W3[e] v) with act SiLU-GLU (act_kind 0) or SiTU (1: beta, lin_beta, NaN
- * for none; see glu_block). W1/W3 are [E, I, D], W2 is [E, D, I], contiguous, or each
- * expert's matrix packed (packed != 0).
- * Each expert runs once over the tokens that picked it. h [T*k, I] is scratch. Rounding as the reference:
- * gate, up, silu(gate), the GLU product and each expert's output are bf16; the combine is fp32, rounded once.
- * A dense MLP is the case E = 1, k = 1, weight 1. Returns 0, or -1 (nothing computed) for an id outside [0, E). */
-int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
-                const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind,
-                float beta, float lin_beta, bf16 *h, bf16 *out, int nthreads) {
-    glu_act actv = {act_kind, !isnan(lin_beta), beta, lin_beta}, *act = &actv;
+/* ds_moe_bf16's dot-product form over row-major (packed 0) or pack_rows (packed 1) experts, after the grouping
+ * (the arguments as moe_columns in experts.c): per (expert, block of 32 of I) the gate and up products and the
+ * activation into h; then per block of 32 of D every expert's down product and the weighted sum. */
+static void moe_rows(const bf16 *const *xrows, const bf16 *const *hrows, const int64_t *order, const int64_t *start,
+                     const int64_t *used, int64_t nused, int64_t T, int64_t D, int64_t k, const float *weights,
+                     const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t I, int packed, const glu_act *act,
+                     bf16 *h, bf16 *out, int nthreads) {
     /* per-expert matrix strides and row strides: row-major, or packed (row stride -1) */
     int64_t s13 = packed ? (I + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(D) : I * D;
     int64_t s2 = packed ? (D + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(I) : D * I;
-    int64_t ld13 = packed ? -1 : D, ld2 = packed ? -1 : I;
-    int64_t P = T * k;
-    for (int64_t p = 0; p < P; p++)
-        if (experts[p] < 0 || experts[p] >= E) return -1;
-    /* pairs grouped by expert, ascending expert then pair index: order[start[e] .. start[e+1]) */
-    int64_t *start = calloc((size_t)(E + 1), sizeof(int64_t));
-    int64_t *order = malloc(sizeof(int64_t) * (size_t)P), *fill = malloc(sizeof(int64_t) * (size_t)(E + 1));
-    for (int64_t p = 0; p < P; p++) start[experts[p] + 1]++;
-    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
-    memcpy(fill, start, sizeof(int64_t) * (size_t)(E + 1));
-    for (int64_t p = 0; p < P; p++) order[fill[experts[p]]++] = p;
-    int64_t *used = malloc(sizeof(int64_t) * (size_t)E), nused = 0;
-    for (int64_t e = 0; e < E; e++)
-        if (start[e + 1] > start[e]) used[nused++] = e;
-    const bf16 **xrows = malloc(sizeof(bf16 *) * (size_t)P), **hrows = malloc(sizeof(bf16 *) * (size_t)P);
-    for (int64_t s = 0; s < P; s++) {
-        xrows[s] = x + (order[s] / k) * D;
-        hrows[s] = h + order[s] * I;
-    }
+    int64_t ld13 = packed ? -1 : D, ld2 = packed ? -1 : I, P = T * k;
     int64_t iblocks = (I + BLOCK_ROWS - 1) / BLOCK_ROWS, dblocks = (D + BLOCK_ROWS - 1) / BLOCK_ROWS;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -138,6 +84,42 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
         free(g);
         free(u);
     }
+}
+
+/* Gated experts over a few tokens: out [T, D] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t]), where
+ * expert_e(v) = W2[e] @ act(W1[e] v, W3[e] v) with act SiLU-GLU (act_kind 0) or SiTU (1: beta, lin_beta, NaN
+ * for none; see glu_block). W1/W3 are [E, I, D], W2 is [E, D, I], contiguous (packed 0), or each expert's matrix
+ * packed: pack_rows' layout (packed 1), or pack_columns' (packed 2: experts.c, the outer-product kernel).
+ * Each expert runs once over the tokens that picked it. h [T*k, I] is scratch. Rounding as the reference:
+ * gate, up, silu(gate), the GLU product and each expert's output are bf16; the combine is fp32, rounded once.
+ * A dense MLP is the case E = 1, k = 1, weight 1. Returns 0, or -1 (nothing computed) for an id outside [0, E). */
+int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
+                const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind,
+                float beta, float lin_beta, bf16 *h, bf16 *out, int nthreads) {
+    glu_act actv = {act_kind, !isnan(lin_beta), beta, lin_beta}, *act = &actv;
+    int64_t P = T * k;
+    for (int64_t p = 0; p < P; p++)
+        if (experts[p] < 0 || experts[p] >= E) return -1;
+    /* pairs grouped by expert, ascending expert then pair index: order[start[e] .. start[e+1]) */
+    int64_t *start = calloc((size_t)(E + 1), sizeof(int64_t));
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)P), *fill = malloc(sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t p = 0; p < P; p++) start[experts[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    memcpy(fill, start, sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t p = 0; p < P; p++) order[fill[experts[p]]++] = p;
+    int64_t *used = malloc(sizeof(int64_t) * (size_t)E), nused = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (start[e + 1] > start[e]) used[nused++] = e;
+    const bf16 **xrows = malloc(sizeof(bf16 *) * (size_t)P), **hrows = malloc(sizeof(bf16 *) * (size_t)P);
+    for (int64_t s = 0; s < P; s++) {
+        xrows[s] = x + (order[s] / k) * D;
+        hrows[s] = h + order[s] * I;
+    }
+    if (packed == 2)
+        moe_columns(xrows, hrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I, act, h, out, nthreads);
+    else
+        moe_rows(xrows, hrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I, packed, act, h, out,
+                 nthreads);
     free(start);
     free(order);
     free(fill);
