@@ -161,6 +161,20 @@ def test_kda_gate_beta_matches_its_reference(lower_bound):
     torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_kda_gate_beta_matches_its_reference_over_the_whole_range(lower_bound):
+    """The vectorised exp and log1p over full rows of 128 channels: u + dt_bias from -45 to 45 (softplus near 0,
+    near the identity, past its cut at 20), every value to fp32 rounding (a few ulp)."""
+    g = torch.Generator().manual_seed(4)
+    T, H, K = 40, 4, 128
+    u = torch.linspace(-40, 40, T * H * K)[torch.randperm(T * H * K, generator=g)].view(T, H * K).to(torch.bfloat16)
+    b = (torch.randn(T, H, generator=g) * 6).to(torch.bfloat16)
+    dt_bias, a_log = torch.randn(H * K, generator=g) * 5, torch.randn(H, generator=g)
+    got, want = (f(u, b, dt_bias, a_log, lower_bound) for f in (kda_gate_beta, kda_gate_beta_ref))
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "deepseek-v32-tiny", "k31-tiny"])
 def test_native_router_matches_the_torch_router(make_checkpoint, preset):
     """Same experts in the same order and the same weights to fp32 rounding (sigmoid; groups for DeepSeek)."""

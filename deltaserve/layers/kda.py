@@ -14,8 +14,7 @@ from ..ops.kda_native import kda_gate_beta, kda_gate_beta_ref
 from ..ops.native import gated_rmsnorm_bf16
 from .batch import StepBatch
 from .linear import Linear
-from .native_path import LINEAR_MAX_ROWS
-from .prepack import Derived, PackedWeights, module_group
+from .prepack import Derived, PackedWeights, stacked_product
 from .norm import gated_rms_norm
 
 
@@ -52,16 +51,23 @@ class KimiDeltaAttention(nn.Module):
         return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                 self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj]
 
-    def _input_projections(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """q, k, v, f_a, b and g (or g_a) of x: one product over their stacked weights when they are prepacked."""
-        return module_group(x, self.input_linears(), self._inputs)
+    def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """qkv [N, 3P] (the conv inputs q | k | v side by side), f_a, b and g (or g_a) of x. With one product over
+        the stacked weights, qkv is a column view of it (the conv kernels read rows at any stride: no copy)."""
+        linears = self.input_linears()
+        y = stacked_product(x, linears, self._inputs)
+        if y is None:
+            q_in, k_in, v_in, *rest = [m(x) for m in linears]
+            return torch.cat([q_in, k_in, v_in], dim=-1), *rest
+        rest = torch.split(y[:, 3 * self.P:], [m.weight.shape[0] for m in linears[3:]], dim=-1)
+        return y[:, :3 * self.P], *(part.contiguous() for part in rest)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         N, H, K = x.shape[0], self.H, self.K
-        q_in, k_in, v_in, f_a, b, g_in = self._input_projections(x)
-        # the native gate (scalar exp/log1p, ~10 ns an element) pays off only at decode sizes, where the fused block
-        # (layers/fused_blocks.py) computes it the same way; larger steps take torch's vectorised ops
-        gate_beta = kda_gate_beta if self.native and N <= LINEAR_MAX_ROWS else kda_gate_beta_ref
+        qkv, f_a, b, g_in = self._input_projections(x)
+        # the native gate (vectorised exp and log1p; the fused blocks compute it the same way) at every size: at 128
+        # rows of 8 x 128 channels ~75 us against 180-320 for torch's chain of elementwise ops
+        gate_beta = kda_gate_beta if self.native else kda_gate_beta_ref
         g, beta = gate_beta(self.f_b_proj(f_a), b, self.dt_bias, self.A_log, self.config.kda_gate_lower_bound)
         gate = g_in if self.config.kda_full_rank_gate else self.g_b_proj(g_in)
 
@@ -73,14 +79,13 @@ class KimiDeltaAttention(nn.Module):
             starts = [batch.rows(i).start for i in decode]
             slots = torch.tensor([batch.handle(i).slot for i in decode], device=x.device)
             if starts == list(range(N)):  # a pure decode step: every row, in order
-                core = self._decode_batched(q_in, k_in, v_in, g, beta, pool, slots, batch.ops)
+                core = self._decode_batched(qkv, g, beta, pool, slots, batch.ops)
             else:
                 rows = torch.tensor(starts, device=x.device)
-                core[rows] = self._decode_batched(q_in[rows], k_in[rows], v_in[rows], g[rows], beta[rows], pool,
-                                                  slots, batch.ops)
+                core[rows] = self._decode_batched(qkv[rows], g[rows], beta[rows], pool, slots, batch.ops)
         prefill = [i for i in range(batch.num_seqs) if pool is not None and i not in decode]
         if prefill:  # chunks of several sequences: varlen chunked ops over their slots
-            self._prefill_varlen(q_in, k_in, v_in, g, beta, core, prefill, pool, batch)
+            self._prefill_varlen(qkv, g, beta, core, prefill, pool, batch)
         for i in sorted(set(range(batch.num_seqs)) - set(decode) - set(prefill)):
             rows = batch.rows(i)
             state = batch.cache.kda_state(self.layer, batch.handle(i)) if batch.cache is not None else None
@@ -89,7 +94,7 @@ class KimiDeltaAttention(nn.Module):
             for end_offset, checkpoint in batch.snapshots(i) + [(rows.stop - rows.start, None)]:
                 seg = slice(start, rows.start + end_offset)
                 if seg.stop > seg.start:
-                    core[seg] = self._segment(q_in[seg], k_in[seg], v_in[seg], g[seg], beta[seg], state, batch.ops)
+                    core[seg] = self._segment(qkv[seg], g[seg], beta[seg], state, batch.ops)
                 if checkpoint is not None:
                     batch.cache.save_kda_checkpoint(self.layer, checkpoint, *state)
                 start = seg.stop
@@ -111,20 +116,19 @@ class KimiDeltaAttention(nn.Module):
         convs = [c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
         return self._stacked_conv.get(convs, lambda: torch.cat([w.detach().view(self.P, self.W) for w in convs]))
 
-    def _decode_batched(self, q_in, k_in, v_in, g, beta, pool, slots, ops) -> torch.Tensor:
+    def _decode_batched(self, qkv, g, beta, pool, slots, ops) -> torch.Tensor:
         """One token for each of n sequences: convs and the delta rule over their slots, in place."""
         conv_pool, rec_pool = pool
         window = conv_pool.view(conv_pool.shape[0], 3 * self.P, self.W - 1)  # a view: updates land in the pool
-        return ops.kda_decode_step(torch.cat([q_in, k_in, v_in], dim=-1), self._conv_weight(), window, g, beta,
-                                   self.K ** -0.5, rec_pool, slots)
+        return ops.kda_decode_step(qkv, self._conv_weight(), window, g, beta, self.K ** -0.5, rec_pool, slots)
 
-    def _prefill_varlen(self, q_in, k_in, v_in, g, beta, core, seqs, pool, batch) -> None:
+    def _prefill_varlen(self, qkv, g, beta, core, seqs, pool, batch) -> None:
         """Chunks of several sequences, states read and written in their slots. A chunk is cut at its prefix-cache
         snapshot offsets; round r runs the r-th piece of every sequence in one varlen call (convs from each slot's
         window), and a piece ending at a snapshot copies the slot's state into the checkpoint."""
         conv_pool, rec_pool = pool
         window = conv_pool.view(conv_pool.shape[0], 3 * self.P, self.W - 1)
-        x, weight = torch.cat([q_in, k_in, v_in], dim=-1), self._conv_weight()
+        weight = self._conv_weight()
         pieces = {}
         for i in seqs:
             rows, start, cuts = batch.rows(i), batch.rows(i).start, []
@@ -136,23 +140,26 @@ class KimiDeltaAttention(nn.Module):
             active = [(i, pieces[i][r]) for i in seqs if r < len(pieces[i])]
             run = [(i, a, b) for i, (a, b, _) in active if b > a]
             if run:
-                index = torch.cat([torch.arange(a, b) for _, a, b in run])
+                adjacent = all(run[j][1] == run[j - 1][2] for j in range(1, len(run)))
+                # adjacent pieces (one sequence's chunk, say) are one slice of the rows: views, no gathered copies
+                rows = slice(run[0][1], run[-1][2]) if adjacent else torch.cat([torch.arange(a, b) for _, a, b in run])
                 cu = torch.tensor([0] + [b - a for _, a, b in run]).cumsum(0)
                 slots = torch.tensor([batch.handle(i).slot for i, _, _ in run])
-                core[index] = batch.ops.kda_step_varlen(x[index], weight, window, g[index], beta[index],
-                                                        self.K ** -0.5, cu, rec_pool, slots)
+                core[rows] = batch.ops.kda_step_varlen(qkv[rows], weight, window, g[rows], beta[rows],
+                                                       self.K ** -0.5, cu, rec_pool, slots)
             for i, (_, _, checkpoint) in active:
                 if checkpoint is not None:
                     slot = batch.handle(i).slot
                     batch.cache.save_kda_checkpoint(self.layer, checkpoint, conv_pool[slot], rec_pool[slot])
 
-    def _segment(self, q_in, k_in, v_in, g, beta, state, ops) -> torch.Tensor:
+    def _segment(self, qkv, g, beta, state, ops) -> torch.Tensor:
         """Short convs and the delta rule over consecutive tokens of one sequence; `state` (conv window,
         recurrent state) is read and overwritten in place when given."""
         H, K = self.H, self.K
-        T = q_in.shape[0]
+        T = qkv.shape[0]
         convs = []
-        for j, (inp, conv) in enumerate(((q_in, self.q_conv1d), (k_in, self.k_conv1d), (v_in, self.v_conv1d))):
+        inputs = qkv.split(self.P, dim=-1)
+        for j, (inp, conv) in enumerate(zip(inputs, (self.q_conv1d, self.k_conv1d, self.v_conv1d))):
             y, new_window = ops.short_conv(inp, conv.weight.view(self.P, self.W),
                                            None if state is None else state[0][j])
             convs.append(y)

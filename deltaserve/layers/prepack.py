@@ -74,17 +74,27 @@ def linear_group(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedWei
     return [part.contiguous() for part in torch.split(y, [w.shape[0] for w in weights], dim=-1)]
 
 
-def module_group(x: torch.Tensor, modules: list[torch.nn.Module], packed: PackedWeights) -> list[torch.Tensor]:
-    """[m(x) for m in modules], as one product when every module is a Linear on the native kernels (few rows) or
-    prepacked (an MX linear, or both off, runs each module on its own). The native product's parts are column
-    views of one [rows, sum N] output (at a few rows, strided views cost nothing)."""
+def stacked_product(x: torch.Tensor, modules: list[torch.nn.Module], packed: PackedWeights) -> torch.Tensor | None:
+    """The modules' products side by side, [rows, sum N], computed as one product over their stacked weights when
+    every module is a Linear on the native kernels (few rows) or prepacked; None otherwise (an MX linear, or both
+    off: each module runs on its own)."""
     weights = [getattr(m, "weight", None) for m in modules]
     if all(getattr(m, "native", False) for m in modules) and takes_native(x, LINEAR_MAX_ROWS):
-        y = linear_packed(x, packed.get_native(weights), sum(w.shape[0] for w in weights))
-        return list(torch.split(y, [w.shape[0] for w in weights], dim=-1))
+        return linear_packed(x, packed.get_native(weights), sum(w.shape[0] for w in weights))
     if all(getattr(m, "prepack", False) for m in modules):
-        return linear_group(x, weights, packed)
-    return [m(x) for m in modules]
+        return packed_linear(x, packed.get(weights))
+    return None
+
+
+def module_group(x: torch.Tensor, modules: list[torch.nn.Module], packed: PackedWeights) -> list[torch.Tensor]:
+    """[m(x) for m in modules], as one product when `stacked_product` makes one. The parts are column views of its
+    output at a few rows (strided views cost nothing there), contiguous copies above (later elementwise ops on
+    strided column slices run several times slower on the CPU)."""
+    y = stacked_product(x, modules, packed)
+    if y is None:
+        return [m(x) for m in modules]
+    parts = torch.split(y, [m.weight.shape[0] for m in modules], dim=-1)
+    return list(parts) if y.shape[0] <= LINEAR_MAX_ROWS else [part.contiguous() for part in parts]
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

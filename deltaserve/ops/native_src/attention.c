@@ -289,17 +289,29 @@ void ds_gated_rmsnorm_bf16(const float *core, int64_t R, int64_t K, const bf16 *
 void ds_kda_gate(const bf16 *u, int64_t ldu, const bf16 *b, int64_t ldb, int64_t T, int64_t H, int64_t K,
                  const float *dt_bias, const float *A_log, float lower_bound, float *g, float *beta, int nthreads) {
     int safe = !isnan(lower_bound);
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * H * K >= (1 << 16))
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < H; h++) {
-            float a = expf(A_log[h]);
-            beta[t * H + h] = 1.f / (1.f + expf(-bf16_to_f32(b[t * ldb + h])));
-            for (int64_t c = 0; c < K; c++) {
-                float v = bf16_to_f32(u[t * ldu + h * K + c]) + dt_bias[h * K + c];
-                g[(t * H + h) * K + c] = safe ? lower_bound * (1.f / (1.f + expf(-(a * v))))
-                                              : -a * (v > 20.f ? v : log1pf(expf(v)));
+#pragma omp parallel num_threads(nthreads) if (T * H * K >= (1 << 16))
+    {
+        float *v = malloc(sizeof(float) * (size_t)K), *e = malloc(sizeof(float) * (size_t)K);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++) { /* a row of K channels, exponentials and logarithms vectorised */
+                float a = expf(A_log[h]), *gr = g + (t * H + h) * K;
+                beta[t * H + h] = 1.f / (1.f + expf(-bf16_to_f32(b[t * ldb + h])));
+                for (int64_t c = 0; c < K; c++) {
+                    v[c] = bf16_to_f32(u[t * ldu + h * K + c]) + dt_bias[h * K + c];
+                    e[c] = safe ? -(a * v[c]) : v[c];
+                }
+                vexp(e, e, K);
+                if (safe) {
+                    for (int64_t c = 0; c < K; c++) gr[c] = lower_bound * (1.f / (1.f + e[c]));
+                    continue;
+                }
+                vlog1p(e, e, K);
+                for (int64_t c = 0; c < K; c++) gr[c] = -a * (v[c] > 20.f ? v[c] : e[c]);
             }
-        }
+        free(v);
+        free(e);
+    }
 }
 
 /* AttnRes depth mixing (model.md §5.3) of S bf16 sources [N, D] (contiguous; src holds their addresses): per row,

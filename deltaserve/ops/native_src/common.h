@@ -205,6 +205,41 @@ static inline void vexp(float *out, const float *in, int64_t n) {
     for (; i < n; i++) out[i] = expf(in[i]);
 }
 
+/* out[i] = log1p(in[i]) for n values >= 0: log(u) of u = 1 + x by Cephes' single-precision polynomial on the
+ * mantissa (about 1 ulp), times x / (u - 1) to undo the rounding of u (exact when u - 1 is); log1pf elsewhere.
+ * in and out may alias. */
+static inline void vlog1p(float *out, const float *in, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.f), sqrt2 = _mm512_set1_ps(1.41421356237f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(in + i), u = _mm512_add_ps(x, one);
+        __m512 e = _mm512_getexp_ps(u), m = _mm512_getmant_ps(u, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+        __mmask16 big = _mm512_cmp_ps_mask(m, sqrt2, _CMP_GT_OQ); /* m in [sqrt(1/2), sqrt(2)) */
+        m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+        e = _mm512_mask_add_ps(e, big, e, one);
+        __m512 f = _mm512_sub_ps(m, one), z = _mm512_mul_ps(f, f);
+        __m512 y = _mm512_set1_ps(7.0376836292e-2f);
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.1514610310e-1f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.1676998740e-1f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.2420140846e-1f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.4249322787e-1f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.6668057665e-1f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.0000714765e-1f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-2.4999993993e-1f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(3.3333331174e-1f));
+        y = _mm512_mul_ps(_mm512_mul_ps(y, f), z);
+        y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+        y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, y);
+        __m512 r = _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
+        __m512 d = _mm512_sub_ps(u, one);
+        __mmask16 moved = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+        _mm512_storeu_ps(out + i, _mm512_mask_div_ps(x, moved, _mm512_mul_ps(r, x), d));
+    }
+#endif
+    for (; i < n; i++) out[i] = log1pf(in[i]);
+}
+
 /* The gated activation of n columns of one token, from the fp32 dot products g (gate) and u (up), which are
  * first rounded to bf16 as the reference's products are. act->kind 0: SiLU-GLU, bf16(bf16(silu(g)) * u) (torch's
  * silu rounds, then the product rounds); 1: SiTU, bf16((beta tanh(g / beta)) sigmoid(g) * up) in fp32 with up =
