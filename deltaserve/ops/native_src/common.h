@@ -183,24 +183,45 @@ static inline float dotf(const float *a, const float *b, int64_t n) {
 
 /* out[i] = exp(in[i]) for n values: Cephes' single-precision polynomial (about 1 ulp) scaled by 2^round(x log2 e)
  * with AVX512 (scalef handles overflow and underflow); expf elsewhere. in and out may alias. */
+#if defined(__AVX512F__)
+static inline __m512 vexp16(__m512 x) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), c1 = _mm512_set1_ps(0.693359375f),
+                 c2 = _mm512_set1_ps(-2.12194440e-4f);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.75f));
+    __m512 m = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(m, c2, _mm512_fnmadd_ps(m, c1, x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, m);
+}
+
+/* f32_to_bf16 on 16 lanes (round to nearest even, NaN kept quiet), the bf16 in each lane's low half. */
+static inline __m512i bf16_bits16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+    return _mm512_srli_epi32(r, 16);
+}
+
+/* round_bf16 on 16 lanes */
+static inline __m512 round_bf16_16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(x), 16)); }
+
+/* the lanes of mask m of x, rounded to bf16, to dst */
+static inline void store_bf16_16(bf16 *dst, __mmask16 m, __m512 x) {
+    _mm256_mask_storeu_epi16(dst, m, _mm512_cvtepi32_epi16(bf16_bits16(x)));
+}
+#endif
+
 static inline void vexp(float *out, const float *in, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), c1 = _mm512_set1_ps(0.693359375f),
-                 c2 = _mm512_set1_ps(-2.12194440e-4f), lo = _mm512_set1_ps(-104.f), hi = _mm512_set1_ps(88.75f);
-    for (; i + 16 <= n; i += 16) {
-        __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_loadu_ps(in + i), lo), hi);
-        __m512 m = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(m, c2, _mm512_fnmadd_ps(m, c1, x));
-        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-        p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-        _mm512_storeu_ps(out + i, _mm512_scalef_ps(p, m));
-    }
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, vexp16(_mm512_loadu_ps(in + i)));
 #endif
     for (; i < n; i++) out[i] = expf(in[i]);
 }
@@ -243,13 +264,39 @@ static inline void vlog1p(float *out, const float *in, int64_t n) {
 /* The gated activation of n columns of one token, from the fp32 dot products g (gate) and u (up), which are
  * first rounded to bf16 as the reference's products are. act->kind 0: SiLU-GLU, bf16(bf16(silu(g)) * u) (torch's
  * silu rounds, then the product rounds); 1: SiTU, bf16((beta tanh(g / beta)) sigmoid(g) * up) in fp32 with up =
- * u, or lin_beta tanh(u / lin_beta) when has_lin. Exponentials vectorised (vexp); tanh(x) = 1 - 2 / (e^{2x} + 1). */
+ * u, or lin_beta tanh(u / lin_beta) when has_lin; tanh(x) = 1 - 2 / (e^{2x} + 1). n <= BLOCK_ROWS; g and u are
+ * scratch. With AVX512 16 columns at a time (about a sixth of the experts' time at prefill when scalar). */
 typedef struct {
     int kind, has_lin;
     float beta, lin_beta;
 } glu_act;
 
 static inline void glu_block(float *g, float *u, int64_t n, const glu_act *act, bf16 *out) {
+#if defined(__AVX512F__)
+    /* the scalar loops below, 16 lanes at a time: the same operations in the same order, equal bit for bit (the
+     * exponentials of a tail shorter than 16 come from vexp16 instead of expf) */
+    const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 m = n - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - c)) - 1u);
+        __m512 gv = round_bf16_16(_mm512_maskz_loadu_ps(m, g + c));
+        __m512 uv = round_bf16_16(_mm512_maskz_loadu_ps(m, u + c));
+        __m512 e = vexp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        if (act->kind == 0) {
+            store_bf16_16(out + c, m, _mm512_mul_ps(round_bf16_16(_mm512_div_ps(gv, _mm512_add_ps(one, e))), uv));
+            continue;
+        }
+        __m512 beta = _mm512_set1_ps(act->beta);
+        __m512 t = vexp16(_mm512_div_ps(_mm512_mul_ps(two, gv), beta));
+        gv = _mm512_mul_ps(_mm512_mul_ps(beta, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(t, one)))),
+                           _mm512_div_ps(one, _mm512_add_ps(one, e)));
+        if (act->has_lin) {
+            __m512 lb = _mm512_set1_ps(act->lin_beta);
+            t = vexp16(_mm512_div_ps(_mm512_mul_ps(two, uv), lb));
+            uv = _mm512_mul_ps(lb, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(t, one))));
+        }
+        store_bf16_16(out + c, m, _mm512_mul_ps(gv, uv));
+    }
+#else
     float e[BLOCK_ROWS], t[BLOCK_ROWS];
     for (int64_t c = 0; c < n; c++) {
         g[c] = round_bf16(g[c]);
@@ -270,6 +317,7 @@ static inline void glu_block(float *g, float *u, int64_t n, const glu_act *act, 
         for (int64_t c = 0; c < n; c++) u[c] = act->lin_beta * (1.f - 2.f / (t[c] + 1.f));
     }
     for (int64_t c = 0; c < n; c++) out[c] = f32_to_bf16(g[c] * u[c]);
+#endif
 }
 
 #endif

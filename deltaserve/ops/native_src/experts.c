@@ -102,6 +102,37 @@ static void block_product(const bf16 *const *x, int64_t m, const bf16 *w, int64_
     }
 }
 
+/* dst[c] = round_bf16(src[c]) for the n <= COL_BLOCK columns of an expert's output row. */
+static inline void round_row(const float *src, int64_t n, float *dst) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16) _mm512_storeu_ps(dst + c, round_bf16_16(_mm512_loadu_ps(src + c)));
+#endif
+    for (; c < n; c++) dst[c] = round_bf16(src[c]);
+}
+
+/* out[c] = bf16(sum_j wt[j] y[j][c]) over a token's k expert outputs y [k][COL_BLOCK] (fp32, summed in j order
+ * from 0, as the scalar loop: equal bit for bit), n <= COL_BLOCK columns. */
+static inline void combine_row(const float *y, const float *wt, int64_t k, int64_t n, bf16 *out) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    for (; c < n; c += 16) {
+        __mmask16 m = n - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - c)) - 1u);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; j++) {
+            __m512 yj = _mm512_maskz_loadu_ps(m, y + j * COL_BLOCK + c);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(wt[j]), yj));
+        }
+        store_bf16_16(out + c, m, acc);
+    }
+#endif
+    for (; c < n; c++) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < k; j++) acc += wt[j] * y[j * COL_BLOCK + c];
+        out[c] = f32_to_bf16(acc);
+    }
+}
+
 /* ds_moe_bf16 over column-packed w1, w3 [E] x [I, D] and w2 [E] x [D, I] (see products.c for the contract and
  * the roundings, which are the same; only the order of each dot product's fp32 sum differs). The pairs are
  * grouped by expert (order/start/used as there); xrows/hrows are the pairs' input and hidden rows in that order.
@@ -138,15 +169,9 @@ void moe_columns(const bf16 *const *xrows, const bf16 *const *hrows, const int64
             for (int64_t ue = 0; ue < nused; ue++) {
                 int64_t e = used[ue], s0 = start[e], m = start[e + 1] - s0;
                 block_product(hrows + s0, m, w2 + e * s2, b, I, g);
-                for (int64_t i = 0; i < m; i++)
-                    for (int64_t c = 0; c < n; c++) y[order[s0 + i] * COL_BLOCK + c] = round_bf16(g[i * COL_BLOCK + c]);
+                for (int64_t i = 0; i < m; i++) round_row(g + i * COL_BLOCK, n, y + order[s0 + i] * COL_BLOCK);
             }
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t c = 0; c < n; c++) {
-                    float acc = 0.f;
-                    for (int64_t j = 0; j < k; j++) acc += weights[t * k + j] * y[(t * k + j) * COL_BLOCK + c];
-                    out[t * D + n0 + c] = f32_to_bf16(acc);
-                }
+            for (int64_t t = 0; t < T; t++) combine_row(y + t * k * COL_BLOCK, weights + t * k, k, n, out + t * D + n0);
         }
         free(g);
         free(u);
