@@ -35,6 +35,76 @@ static inline __attribute__((always_inline)) void delta_block(float *S, int64_t 
 }
 #endif
 
+#if defined(__AVX512F__)
+/* Tokens [0, nb) of the delta rule (see delta_block) on one head's state S [K, K], K = 16 NV <= 128, one sweep
+ * over the state a token: the sweep that writes token i's new rows also accumulates token i+1's S^T ekq and
+ * S^T eqq from them, where token by token the state is read twice a token (the sums, then the update). Each
+ * element sees the same operations in the same order as in delta_block: equal bit for bit. pre [nb][4K] holds
+ * each token's ekq | eqq | d | k; token i's v is at v + i * ldv, its output at o + i * ldo. */
+static inline __attribute__((always_inline)) void delta_sweeps(float *S, const int NV, int64_t nb, const float *pre,
+                                                               const float *v, int64_t ldv, const float *bt,
+                                                               const float *kq, float *o, int64_t ldo) {
+    const int64_t K = 16 * NV;
+    __m512 sk[8], sq[8], dl[8];
+    for (int j = 0; j < NV; j++) sk[j] = sq[j] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < K; r++) { /* token 0's sums over the state as it stands */
+        __m512 a = _mm512_set1_ps(pre[r]), e = _mm512_set1_ps(pre[K + r]);
+        for (int j = 0; j < NV; j++) {
+            __m512 srow = _mm512_loadu_ps(S + r * K + 16 * j);
+            sk[j] = _mm512_fmadd_ps(a, srow, sk[j]);
+            sq[j] = _mm512_fmadd_ps(e, srow, sq[j]);
+        }
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        const float *d = pre + i * 4 * K + 2 * K, *k = d + K;
+        __m512 b = _mm512_set1_ps(bt[i]), kqv = _mm512_set1_ps(kq[i]);
+        for (int j = 0; j < NV; j++) {
+            dl[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + i * ldv + 16 * j), sk[j]), b);
+            _mm512_storeu_ps(o + i * ldo + 16 * j, _mm512_fmadd_ps(kqv, dl[j], sq[j]));
+        }
+        if (i + 1 == nb) {
+            for (int64_t r = 0; r < K; r++) {
+                __m512 dr = _mm512_set1_ps(d[r]), kr = _mm512_set1_ps(k[r]);
+                for (int j = 0; j < NV; j++) {
+                    float *p = S + r * K + 16 * j;
+                    _mm512_storeu_ps(p, _mm512_fmadd_ps(dr, _mm512_loadu_ps(p), _mm512_mul_ps(kr, dl[j])));
+                }
+            }
+            break;
+        }
+        const float *ekq = pre + (i + 1) * 4 * K, *eqq = ekq + K;
+        for (int j = 0; j < NV; j++) sk[j] = sq[j] = _mm512_setzero_ps();
+        for (int64_t r = 0; r < K; r++) {
+            __m512 dr = _mm512_set1_ps(d[r]), kr = _mm512_set1_ps(k[r]);
+            __m512 a = _mm512_set1_ps(ekq[r]), e = _mm512_set1_ps(eqq[r]);
+            for (int j = 0; j < NV; j++) {
+                float *p = S + r * K + 16 * j;
+                __m512 srow = _mm512_fmadd_ps(dr, _mm512_loadu_ps(p), _mm512_mul_ps(kr, dl[j]));
+                _mm512_storeu_ps(p, srow);
+                sk[j] = _mm512_fmadd_ps(a, srow, sk[j]);
+                sq[j] = _mm512_fmadd_ps(e, srow, sq[j]);
+            }
+        }
+    }
+}
+
+/* delta_sweeps for K in {16, 32, ..., 128}; returns 0 (nothing done) for other K. */
+static int delta_sweeps_k(float *S, int64_t K, int64_t nb, const float *pre, const float *v, int64_t ldv,
+                          const float *bt, const float *kq, float *o, int64_t ldo) {
+    switch (K) {
+    case 16: delta_sweeps(S, 1, nb, pre, v, ldv, bt, kq, o, ldo); return 1;
+    case 32: delta_sweeps(S, 2, nb, pre, v, ldv, bt, kq, o, ldo); return 1;
+    case 48: delta_sweeps(S, 3, nb, pre, v, ldv, bt, kq, o, ldo); return 1;
+    case 64: delta_sweeps(S, 4, nb, pre, v, ldv, bt, kq, o, ldo); return 1;
+    case 80: delta_sweeps(S, 5, nb, pre, v, ldv, bt, kq, o, ldo); return 1;
+    case 96: delta_sweeps(S, 6, nb, pre, v, ldv, bt, kq, o, ldo); return 1;
+    case 112: delta_sweeps(S, 7, nb, pre, v, ldv, bt, kq, o, ldo); return 1;
+    case 128: delta_sweeps(S, 8, nb, pre, v, ldv, bt, kq, o, ldo); return 1;
+    default: return 0;
+    }
+}
+#endif
+
 static void delta_rule_token(float *S, int64_t K, const float *ekq, const float *eqq, const float *d, const float *k,
                              const float *v, float bt, float kq, float *o, float *scratch /* [3K] */) {
 #if defined(__AVX512F__)
@@ -73,10 +143,14 @@ static void delta_rule_token(float *S, int64_t K, const float *ekq, const float 
  * out = S'^T q (both matvecs read the old state); the window ends holding the last W-1 inputs.
  * Sequence b owns tokens [cu[b], cu[b+1]) and slot slots[b]; a slot < 0 is padding (zeros out, no state).
  * x [T, 3P] rows hold q | k | v before the conv (bf16 when x_bf16, else fp32; row stride ldx), P = H K;
- * g [T, H, K], beta [T, H] fp32 contiguous; out [T, H, K] fp32. conv_w [3P, W] fp32; the window of slot s, channel c is at conv + s * conv_slot_stride + c * (W - 1) (oldest
- * first); the state of slot s at rec + s * rec_slot_stride.
+ * g [T, H, K], beta [T, H] fp32 contiguous; out [T, H, K] fp32. conv_w [3P, W] fp32; the window of slot s,
+ * channel c is at conv + s * conv_slot_stride + c * (W - 1) (oldest first); the state of slot s at
+ * rec + s * rec_slot_stride.
  * One work item per (sequence, head): items touch disjoint channels and state, and a head's 64 KiB state stays
- * in the core's cache for all of its tokens. The convs of a block of tokens run first, vectorised over channels. */
+ * in the core's cache for all of its tokens. Per block of KDA_BLOCK tokens: the inputs converted to fp32 once,
+ * the convs vectorised over channels, each token's vectors, then the delta rule one sweep over the state a token
+ * (delta_sweeps). Measured on the 2-core EPYC, 128 tokens of 8 heads of 128 (one process, against the two-pass
+ * token-by-token form with four conversions an input): 1.34 -> 0.97 ms, the same outputs bit for bit. */
 #define KDA_BLOCK 32
 void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
                  const float *conv_w, int64_t W, float *conv, int64_t conv_slot_stride, const float *g,
@@ -87,8 +161,10 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
     {
         /* hist [W-1][3K]: the window of the head's channels, tap-major; y [KDA_BLOCK][3K]: conv outputs */
         float *hist = malloc(sizeof(float) * (size_t)((W > 1 ? W - 1 : 1) * C3));
-        float *y = malloc(sizeof(float) * (size_t)(KDA_BLOCK * C3)), *xin = malloc(sizeof(float) * (size_t)C3);
-        float *vec = malloc(sizeof(float) * (size_t)(7 * K)), *taps = malloc(sizeof(float) * (size_t)(W * C3));
+        float *y = malloc(sizeof(float) * (size_t)(KDA_BLOCK * C3));
+        float *xin = malloc(sizeof(float) * (size_t)((KDA_BLOCK + W) * C3)); /* a block's inputs and its window */
+        float *vec = malloc(sizeof(float) * (size_t)(3 * K)), *taps = malloc(sizeof(float) * (size_t)(W * C3));
+        float *pre = malloc(sizeof(float) * (size_t)(KDA_BLOCK * 4 * K)), bt[KDA_BLOCK], kq[KDA_BLOCK];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < nseq * H; item++) {
             int64_t b = item / H, h = item % H, s = slots[b], t0 = cu[b], n = cu[b + 1] - cu[b];
@@ -108,25 +184,26 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
     do {                                                                                                         \
         int64_t i_ = (i);                                                                                        \
         if (i_ < 0) {                                                                                            \
-            memcpy(dst, hist + (W - 1 + i_) * C3, sizeof(float) * (size_t)C3);                                  \
+            memcpy((dst), hist + (W - 1 + i_) * C3, sizeof(float) * (size_t)C3);                                 \
         } else {                                                                                                 \
             for (int j_ = 0; j_ < 3; j_++) {                                                                     \
                 int64_t base_ = (t0 + i_) * ldx + j_ * P + h * K;                                                \
                 for (int64_t c_ = 0; c_ < K; c_++)                                                               \
-                    dst[j_ * K + c_] = x_bf16 ? bf16_to_f32(((const bf16 *)x)[base_ + c_])                      \
+                    (dst)[j_ * K + c_] = x_bf16 ? bf16_to_f32(((const bf16 *)x)[base_ + c_])                     \
                                               : ((const float *)x)[base_ + c_];                                  \
             }                                                                                                    \
         }                                                                                                        \
     } while (0)
             for (int64_t i0 = 0; i0 < n; i0 += KDA_BLOCK) {
                 int64_t nb = n - i0 < KDA_BLOCK ? n - i0 : KDA_BLOCK;
+                for (int64_t i = 0; i < nb + W - 1; i++) /* the block's inputs, each converted once */
+                    LOAD_INPUT(i0 + i - (W - 1), xin + i * C3);
                 for (int64_t i = 0; i < nb; i++) { /* conv: acc = sum_u w[u] x[i - (W-1) + u] */
                     float *acc = y + i * C3;
                     for (int64_t c = 0; c < C3; c++) acc[c] = 0.f;
                     for (int64_t u = 0; u < W; u++) {
-                        LOAD_INPUT(i0 + i - (W - 1) + u, xin);
-                        const float *wu = taps + u * C3;
-                        for (int64_t c = 0; c < C3; c++) acc[c] += wu[c] * xin[c];
+                        const float *wu = taps + u * C3, *xu = xin + (i + u) * C3;
+                        for (int64_t c = 0; c < C3; c++) acc[c] += wu[c] * xu[c];
                     }
                     float *e = vec; /* silu(a) = a / (1 + e^-a), in blocks of K */
                     for (int64_t c0 = 0; c0 < C3; c0 += K) {
@@ -138,20 +215,29 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
                         }
                     }
                 }
-                for (int64_t i = 0; i < nb; i++) { /* the delta rule, token by token */
+                for (int64_t i = 0; i < nb; i++) { /* each token's vectors: pre [ekq | eqq | d | k] */
                     int64_t t = t0 + i0 + i;
-                    float *q = y + i * C3, *k = q + K, *v = q + 2 * K;
-                    float *d = vec, *ekq = vec + K, *eqq = vec + 2 * K, *sk = vec + 3 * K; /* sk: [3K] scratch */
+                    float *q = y + i * C3, *k = q + K;
+                    float *ekq = pre + i * 4 * K, *eqq = ekq + K, *d = eqq + K, *kn = d + K;
                     float rq = scale / sqrtf(dotf(q, q, K) + 1e-6f), rk = 1.f / sqrtf(dotf(k, k, K) + 1e-6f);
                     vexp(d, g + (t * H + h) * K, K);
                     for (int64_t c = 0; c < K; c++) {
                         q[c] *= rq;
-                        k[c] *= rk;
-                        ekq[c] = d[c] * k[c];
+                        kn[c] = k[c] * rk;
+                        ekq[c] = d[c] * kn[c];
                         eqq[c] = d[c] * q[c];
                     }
-                    float kq = dotf(k, q, K);
-                    delta_rule_token(S, K, ekq, eqq, d, k, v, beta[t * H + h], kq, out + (t * H + h) * K, sk);
+                    kq[i] = dotf(kn, q, K);
+                    bt[i] = beta[t * H + h];
+                }
+                float *o = out + ((t0 + i0) * H + h) * K, *v = y + 2 * K;
+#if defined(__AVX512F__)
+                if (delta_sweeps_k(S, K, nb, pre, v, C3, bt, kq, o, P)) continue;
+#endif
+                for (int64_t i = 0; i < nb; i++) { /* the delta rule, token by token */
+                    const float *ekq = pre + i * 4 * K;
+                    delta_rule_token(S, K, ekq, ekq + K, ekq + 2 * K, ekq + 3 * K, v + i * C3, bt[i], kq[i],
+                                     o + i * P, vec);
                 }
             }
             /* the window keeps the last W-1 inputs, oldest first */
@@ -167,6 +253,7 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
         free(xin);
         free(vec);
         free(taps);
+        free(pre);
     }
 }
 
