@@ -29,9 +29,9 @@ def test_engine_greedy_output_is_the_same_with_reference_ops(make_checkpoint, pr
     batched_rows = []
     original = KimiDeltaAttention._decode_batched
 
-    def spy(self, q_in, *args):
-        batched_rows.append(q_in.shape[0])
-        return original(self, q_in, *args)
+    def spy(self, qkv, *args):
+        batched_rows.append(qkv.shape[0])
+        return original(self, qkv, *args)
 
     monkeypatch.setattr(KimiDeltaAttention, "_decode_batched", spy)
     sparse_calls = []
@@ -45,9 +45,9 @@ def test_engine_greedy_output_is_the_same_with_reference_ops(make_checkpoint, pr
     varlen_seqs = []
     original_varlen = KimiDeltaAttention._prefill_varlen
 
-    def varlen_spy(self, q_in, k_in, v_in, g, beta, core, seqs, *args):
+    def varlen_spy(self, qkv, g, beta, core, seqs, *args):
         varlen_seqs.append(len(seqs))
-        return original_varlen(self, q_in, k_in, v_in, g, beta, core, seqs, *args)
+        return original_varlen(self, qkv, g, beta, core, seqs, *args)
 
     monkeypatch.setattr(KimiDeltaAttention, "_prefill_varlen", varlen_spy)
     fast_llm = make_llm(path, max_num_batched_tokens=48)
