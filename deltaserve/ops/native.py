@@ -119,10 +119,28 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
 
 
+# The kernels' two weight layouts, both [..., N, K] cut into blocks of R rows and each block stored as
+# [ceil(K/G), R, G] (rows and K zero-padded), so a block is one sequential stream: (R, G) = (4, 32) for the
+# dot-product tiles (`pack_rows`), (64, 2) for the experts' outer-product kernel (`pack_columns`).
+ROW_TILES, COLUMN_BLOCKS = (4, 32), (64, 2)
+
+
+def _blocked_shape(shape: tuple[int, ...], layout: tuple[int, int]) -> tuple[int, ...]:
+    (*lead, N, K), (R, G) = shape, layout
+    return (*lead, -(-N // R), -(-K // G), R, G)
+
+
+def _pack_blocks(w: torch.Tensor, layout: tuple[int, int]) -> torch.Tensor:
+    *lead, nb, kb, R, G = _blocked_shape(tuple(w.shape), layout)
+    N, K = w.shape[-2:]
+    padded = torch.nn.functional.pad(w.detach().to(torch.bfloat16), (0, kb * G - K, 0, nb * R - N))
+    blocks = padded.reshape(*lead, nb, R, kb, G).transpose(-3, -2)
+    return huge_page_empty(blocks.shape, torch.bfloat16).copy_(blocks)
+
+
 def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape `pack_rows` gives weights of this shape."""
-    *lead, N, K = shape
-    return (*lead, -(-N // 4), -(-K // 32), 4, 32)
+    return _blocked_shape(shape, ROW_TILES)
 
 
 def pack_rows(w: torch.Tensor) -> torch.Tensor:
@@ -130,30 +148,19 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
     of 4 rows, each [ceil(K/32), 4, 32] with rows and K zero-padded, so a tile is one sequential stream (row-major
     rows are 4 short streams; packed reads ~30% faster from DRAM at decode on this EPYC). Held in huge pages where
     the system gives them (`huge_page_empty`)."""
-    N, K = w.shape[-2:]
-    Np, Kp = -(-N // 4) * 4, -(-K // 32) * 32
-    lead = w.shape[:-2]
-    padded = torch.nn.functional.pad(w.detach().to(torch.bfloat16), (0, Kp - K, 0, Np - N))
-    tiles = padded.reshape(*lead, Np // 4, 4, Kp // 32, 32).transpose(-3, -2)
-    return huge_page_empty(tiles.shape, torch.bfloat16).copy_(tiles)
+    return _pack_blocks(w, ROW_TILES)
 
 
 def column_packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape `pack_columns` gives weights of this shape."""
-    *lead, N, K = shape
-    return (*lead, -(-N // 64), -(-K // 2), 64, 2)
+    return _blocked_shape(shape, COLUMN_BLOCKS)
 
 
 def pack_columns(w: torch.Tensor) -> torch.Tensor:
     """The expert kernel's column-packed layout of bf16 weights [..., N, K] (native_src/experts.c): per matrix,
     blocks of 64 output rows, each [ceil(K/2), 64, 2] (pairs of k inner, the order AVX512-BF16's pair products
     take), rows and K zero-padded, so a block is one sequential stream. Huge pages as `pack_rows`."""
-    N, K = w.shape[-2:]
-    Np, Kp = -(-N // 64) * 64, -(-K // 2) * 2
-    lead = w.shape[:-2]
-    padded = torch.nn.functional.pad(w.detach().to(torch.bfloat16), (0, Kp - K, 0, Np - N))
-    blocks = padded.reshape(*lead, Np // 64, 64, Kp // 2, 2).transpose(-3, -2)
-    return huge_page_empty(blocks.shape, torch.bfloat16).copy_(blocks)
+    return _pack_blocks(w, COLUMN_BLOCKS)
 
 
 HUGE_PAGE = 2 << 20
