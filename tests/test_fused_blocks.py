@@ -168,10 +168,12 @@ def test_kda_gate_beta_matches_its_reference_over_the_whole_range(lower_bound):
     g = torch.Generator().manual_seed(4)
     T, H, K = 40, 4, 128
     u = torch.linspace(-40, 40, T * H * K)[torch.randperm(T * H * K, generator=g)].view(T, H * K).to(torch.bfloat16)
+    u[3, 5] = u[7, 200] = float("nan")  # a NaN stays NaN, as in torch
     b = (torch.randn(T, H, generator=g) * 6).to(torch.bfloat16)
     dt_bias, a_log = torch.randn(H * K, generator=g) * 5, torch.randn(H, generator=g)
     got, want = (f(u, b, dt_bias, a_log, lower_bound) for f in (kda_gate_beta, kda_gate_beta_ref))
-    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
+    assert want[0].isnan().sum() == 2
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7, equal_nan=True)
     torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
 
 

@@ -203,6 +203,31 @@ def test_moe_with_situ_matches_the_torch_dispatch(T, linear_beta):
     assert (got == ref).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("linear_beta", [None, 3.0])
+def test_moe_with_situ_keeps_a_nan_token_nan(linear_beta):
+    """A NaN input row gives NaN outputs on both expert forms, as the torch dispatch does (the vectorised
+    exponential clamps its input, so the tanh forms must carry the NaN past it); the other rows are unaffected."""
+    import dataclasses
+    E, D, I, k, T = 6, 64, 40, 2, 9
+    experts = _experts(E, D, I, T, preset="k31-tiny")
+    experts.config = dataclasses.replace(experts.config, situ_linear_beta=linear_beta)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    x[4] = float("nan")
+    picks = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    routing = Routing(picks, torch.rand(T, k, generator=g))
+    ref = experts(x, routing).detach()
+    assert ref[4].isnan().all() and not ref[torch.arange(T) != 4].isnan().any()
+    situ = (experts.config.situ_beta, linear_beta)
+    for pack in (native.pack_rows, native.pack_columns):
+        packed = tuple(pack(w) for w in (experts.w1, experts.w3, experts.w2))
+        got = native.moe_bf16(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2, packed=packed,
+                              situ=situ)
+        assert got[4].isnan().all(), pack.__name__
+        torch.testing.assert_close(got, ref, atol=float(ref[~ref.isnan()].abs().max()) * 2 ** -7, rtol=2 ** -6,
+                                   equal_nan=True)
+
+
 def test_moe_rejects_bad_expert_ids_and_shapes():
     experts = _experts(4, 32, 16, 0)
     x = torch.randn(2, 32).to(torch.bfloat16)

@@ -285,14 +285,18 @@ static inline void glu_block(float *g, float *u, int64_t n, const glu_act *act, 
             store_bf16_16(out + c, m, _mm512_mul_ps(round_bf16_16(_mm512_div_ps(gv, _mm512_add_ps(one, e))), uv));
             continue;
         }
+        /* vexp16 clamps a NaN away; the tanh forms keep it (mask_mov), as torch does */
         __m512 beta = _mm512_set1_ps(act->beta);
         __m512 t = vexp16(_mm512_div_ps(_mm512_mul_ps(two, gv), beta));
-        gv = _mm512_mul_ps(_mm512_mul_ps(beta, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(t, one)))),
-                           _mm512_div_ps(one, _mm512_add_ps(one, e)));
+        gv = _mm512_mask_mov_ps(
+            _mm512_mul_ps(_mm512_mul_ps(beta, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(t, one)))),
+                          _mm512_div_ps(one, _mm512_add_ps(one, e))),
+            _mm512_cmp_ps_mask(gv, gv, _CMP_UNORD_Q), gv);
         if (act->has_lin) {
             __m512 lb = _mm512_set1_ps(act->lin_beta);
             t = vexp16(_mm512_div_ps(_mm512_mul_ps(two, uv), lb));
-            uv = _mm512_mul_ps(lb, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(t, one))));
+            uv = _mm512_mask_mov_ps(_mm512_mul_ps(lb, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(t, one)))),
+                                    _mm512_cmp_ps_mask(uv, uv, _CMP_UNORD_Q), uv);
         }
         store_bf16_16(out + c, m, _mm512_mul_ps(gv, uv));
     }
@@ -310,11 +314,13 @@ static inline void glu_block(float *g, float *u, int64_t n, const glu_act *act, 
     }
     for (int64_t c = 0; c < n; c++) t[c] = 2.f * g[c] / act->beta;
     vexp(t, t, n);
-    for (int64_t c = 0; c < n; c++) g[c] = (act->beta * (1.f - 2.f / (t[c] + 1.f))) * (1.f / (1.f + e[c]));
+    for (int64_t c = 0; c < n; c++)
+        if (!isnan(g[c])) g[c] = (act->beta * (1.f - 2.f / (t[c] + 1.f))) * (1.f / (1.f + e[c]));
     if (act->has_lin) {
         for (int64_t c = 0; c < n; c++) t[c] = 2.f * u[c] / act->lin_beta;
         vexp(t, t, n);
-        for (int64_t c = 0; c < n; c++) u[c] = act->lin_beta * (1.f - 2.f / (t[c] + 1.f));
+        for (int64_t c = 0; c < n; c++)
+            if (!isnan(u[c])) u[c] = act->lin_beta * (1.f - 2.f / (t[c] + 1.f));
     }
     for (int64_t c = 0; c < n; c++) out[c] = f32_to_bf16(g[c] * u[c]);
 #endif
