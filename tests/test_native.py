@@ -429,9 +429,11 @@ def test_gated_rmsnorm_kernel_matches_the_torch_norm(R):
     wide = torch.randn(R, 3 * K, generator=g).to(torch.bfloat16)
     gate = wide[:, K:2 * K]  # a row-strided view, as the layer's gate can be
     weight = torch.randn(K, generator=g)
+    gate[0, 17] = float("nan")  # a NaN gate gives a NaN output, as the sigmoid does (not a clamped one)
     got = native.gated_rmsnorm_bf16(core, gate, weight, 1e-5)
     ref = gated_rms_norm(core.to(torch.bfloat16), gate, weight, 1e-5)
-    torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7)
+    assert ref[0, 17].isnan() and got[0, 17].isnan()
+    torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7, equal_nan=True)
     assert (got == ref).float().mean() > 0.95
 
 

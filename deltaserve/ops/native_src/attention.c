@@ -388,13 +388,13 @@ void ds_kda_gate(const bf16 *u, int64_t ldu, const bf16 *b, int64_t ldb, int64_t
                     v[c] = bf16_to_f32(u[t * ldu + h * K + c]) + dt_bias[h * K + c];
                     e[c] = safe ? -(a * v[c]) : v[c];
                 }
-                vexp(e, e, K); /* (vexp clamps a NaN away: the selects below keep it, as expf does) */
+                vexp(e, e, K);
                 if (safe) {
-                    for (int64_t c = 0; c < K; c++) gr[c] = isnan(v[c]) ? v[c] : lower_bound * (1.f / (1.f + e[c]));
+                    for (int64_t c = 0; c < K; c++) gr[c] = lower_bound * (1.f / (1.f + e[c]));
                     continue;
                 }
                 vlog1p(e, e, K);
-                for (int64_t c = 0; c < K; c++) gr[c] = -a * (v[c] > 20.f || isnan(v[c]) ? v[c] : e[c]);
+                for (int64_t c = 0; c < K; c++) gr[c] = -a * (v[c] > 20.f ? v[c] : e[c]);
             }
         free(v);
         free(e);

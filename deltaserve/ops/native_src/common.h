@@ -184,10 +184,10 @@ static inline float dotf(const float *a, const float *b, int64_t n) {
 /* out[i] = exp(in[i]) for n values: Cephes' single-precision polynomial (about 1 ulp) scaled by 2^round(x log2 e)
  * with AVX512 (scalef handles overflow and underflow); expf elsewhere. in and out may alias. */
 #if defined(__AVX512F__)
-static inline __m512 vexp16(__m512 x) {
+static inline __m512 vexp16(__m512 in) {
     const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), c1 = _mm512_set1_ps(0.693359375f),
                  c2 = _mm512_set1_ps(-2.12194440e-4f);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.75f));
+    __m512 x = _mm512_min_ps(_mm512_max_ps(in, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.75f));
     __m512 m = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(m, c2, _mm512_fnmadd_ps(m, c1, x));
     __m512 p = _mm512_set1_ps(1.9875691500e-4f);
@@ -197,7 +197,8 @@ static inline __m512 vexp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, m);
+    /* the clamp turns a NaN into -104: put it back, so a NaN stays NaN as with expf */
+    return _mm512_mask_mov_ps(_mm512_scalef_ps(p, m), _mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q), in);
 }
 
 /* f32_to_bf16 on 16 lanes (round to nearest even, NaN kept quiet), the bf16 in each lane's low half. */
@@ -285,18 +286,14 @@ static inline void glu_block(float *g, float *u, int64_t n, const glu_act *act, 
             store_bf16_16(out + c, m, _mm512_mul_ps(round_bf16_16(_mm512_div_ps(gv, _mm512_add_ps(one, e))), uv));
             continue;
         }
-        /* vexp16 clamps a NaN away; the tanh forms keep it (mask_mov), as torch does */
         __m512 beta = _mm512_set1_ps(act->beta);
         __m512 t = vexp16(_mm512_div_ps(_mm512_mul_ps(two, gv), beta));
-        gv = _mm512_mask_mov_ps(
-            _mm512_mul_ps(_mm512_mul_ps(beta, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(t, one)))),
-                          _mm512_div_ps(one, _mm512_add_ps(one, e))),
-            _mm512_cmp_ps_mask(gv, gv, _CMP_UNORD_Q), gv);
+        gv = _mm512_mul_ps(_mm512_mul_ps(beta, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(t, one)))),
+                           _mm512_div_ps(one, _mm512_add_ps(one, e)));
         if (act->has_lin) {
             __m512 lb = _mm512_set1_ps(act->lin_beta);
             t = vexp16(_mm512_div_ps(_mm512_mul_ps(two, uv), lb));
-            uv = _mm512_mask_mov_ps(_mm512_mul_ps(lb, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(t, one)))),
-                                    _mm512_cmp_ps_mask(uv, uv, _CMP_UNORD_Q), uv);
+            uv = _mm512_mul_ps(lb, _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(t, one))));
         }
         store_bf16_16(out + c, m, _mm512_mul_ps(gv, uv));
     }
@@ -314,13 +311,11 @@ static inline void glu_block(float *g, float *u, int64_t n, const glu_act *act, 
     }
     for (int64_t c = 0; c < n; c++) t[c] = 2.f * g[c] / act->beta;
     vexp(t, t, n);
-    for (int64_t c = 0; c < n; c++)
-        if (!isnan(g[c])) g[c] = (act->beta * (1.f - 2.f / (t[c] + 1.f))) * (1.f / (1.f + e[c]));
+    for (int64_t c = 0; c < n; c++) g[c] = (act->beta * (1.f - 2.f / (t[c] + 1.f))) * (1.f / (1.f + e[c]));
     if (act->has_lin) {
         for (int64_t c = 0; c < n; c++) t[c] = 2.f * u[c] / act->lin_beta;
         vexp(t, t, n);
-        for (int64_t c = 0; c < n; c++)
-            if (!isnan(u[c])) u[c] = act->lin_beta * (1.f - 2.f / (t[c] + 1.f));
+        for (int64_t c = 0; c < n; c++) u[c] = act->lin_beta * (1.f - 2.f / (t[c] + 1.f));
     }
     for (int64_t c = 0; c < n; c++) out[c] = f32_to_bf16(g[c] * u[c]);
 #endif
