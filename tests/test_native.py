@@ -383,10 +383,11 @@ def test_kda_ops_without_the_library_run_the_torch_ops(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T", [1, 5])
-def test_qsfa_kernel_matches_the_torch_form(monkeypatch, dtype, T):
+@pytest.mark.parametrize("H, r, rho", [(3, 64, 16), (6, 40, 24)])  # head tiles of 4 and latent slices of 32: tails
+def test_qsfa_kernel_matches_the_torch_form(monkeypatch, dtype, T, H, r, rho):
     from deltaserve.ops import qsfa as qsfa_mod
     g = torch.Generator().manual_seed(T)
-    H, r, rho, rows, k = 3, 64, 16, 90, 40
+    rows, k = 90, 40
     q_lat, q_pe = torch.randn(T, H, r, generator=g), torch.randn(T, H, rho, generator=g)
     latent = torch.randn(rows, r + rho, generator=g).to(dtype)
     selected = torch.stack([torch.randperm(rows, generator=g)[:k] for _ in range(T)])
