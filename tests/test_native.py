@@ -228,6 +228,60 @@ def test_moe_with_situ_keeps_a_nan_token_nan(linear_beta):
                                    equal_nan=True)
 
 
+def _bf16_params(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return module.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("T, IS", [(1, 40), (13, 136), (130, 64)])
+def test_shared_expert_in_the_expert_pass_is_the_sum_of_both_outputs(T, IS):
+    """`moe_bf16(shared=...)` runs a shared MLP in the routed experts' pass: bit for bit the routed output plus
+    the MLP run alone on the same kernel (one expert of weight 1), each rounded to bf16 and summed in bf16, at
+    widths on and off the 64-column blocks and with more tokens than a tile."""
+    E, D, I, k = 8, 96, 40, 2
+    experts = _experts(E, D, I, T)
+    mlp = _bf16_params(MLP(experts.config, D, IS), IS)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    picks = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    routing = Routing(picks, torch.rand(T, k, generator=g))
+    columns = tuple(native.pack_columns(w) for w in (experts.w1, experts.w3, experts.w2))
+    weights = [m.weight for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    routed = native.moe_bf16(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2, packed=columns)
+    alone = native.moe_bf16(x, torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1), *(w[None] for w in weights),
+                            packed=tuple(native.pack_columns(w[None]) for w in weights))
+    got = native.moe_bf16(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2, packed=columns,
+                          shared=(*(native.pack_columns(w) for w in weights), IS))
+    assert torch.equal(got, routed + alone)
+    torch.testing.assert_close(got, (experts(x, routing).float() + F.linear(
+        F.silu(F.linear(x, weights[0])) * F.linear(x, weights[1]), weights[2]).float()).to(torch.bfloat16),
+        atol=4e-3, rtol=2 ** -6)
+
+
+def test_moe_block_runs_its_shared_mlp_in_the_expert_pass(monkeypatch):
+    """MoE's native path hands its shared MLP to the expert kernel (one call: no separate MLP products) and
+    gives the torch path's output to fp32 rounding of the dot products."""
+    from deltaserve.layers import moe as moe_module
+    config = ModelConfig.from_dict(get_preset("kimi-linear-tiny").config)
+    block = _bf16_params(moe_module.MoE(config), 3)
+    T = 40
+    x = torch.randn(T, config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ref = block(x).detach()
+    assert enable_native_kernels(block) >= 4
+    calls = []
+    real = moe_module.moe_bf16
+    monkeypatch.setattr(moe_module, "moe_bf16", lambda *a, **kw: calls.append(kw.get("shared")) or real(*a, **kw))
+    monkeypatch.setattr(MLP, "forward", lambda *a: pytest.fail("the shared MLP ran on its own"))
+    got = block(x)
+    assert len(calls) == 1 and calls[0] is not None and calls[0][3] == block.shared_experts.gate_proj.out_features
+    torch.testing.assert_close(got, ref, atol=float(ref.abs().max()) * 2 ** -7, rtol=2 ** -6)
+    assert (got == ref).float().mean() > 0.9
+
+
 def test_moe_rejects_bad_expert_ids_and_shapes():
     experts = _experts(4, 32, 16, 0)
     x = torch.randn(2, 32).to(torch.bfloat16)
@@ -241,6 +295,15 @@ def test_moe_rejects_bad_expert_ids_and_shapes():
     with pytest.raises(ValueError, match="pack_rows or pack_columns"):
         native.moe_bf16(x, torch.tensor([[0], [1]]), torch.ones(2, 1), experts.w1, experts.w3, experts.w2,
                         packed=mixed)
+    shapes = ((8, 32), (8, 32), (32, 8))
+    shared = (*(native.pack_columns(torch.zeros(n, m, dtype=torch.bfloat16)) for n, m in shapes), 8)
+    with pytest.raises(ValueError, match="shared expert"):  # the dot-product layouts take no shared expert
+        native.moe_bf16(x, torch.tensor([[0], [1]]), torch.ones(2, 1), experts.w1, experts.w3, experts.w2,
+                        shared=shared)
+    columns = tuple(native.pack_columns(w) for w in (experts.w1, experts.w3, experts.w2))
+    with pytest.raises(ValueError, match="shared expert"):  # a width that does not match its packs
+        native.moe_bf16(x, torch.tensor([[0], [1]]), torch.ones(2, 1), experts.w1, experts.w3, experts.w2,
+                        packed=columns, shared=(*shared[:3], 9))
 
 
 @pytest.mark.parametrize("T", [1, 4, 7, MLP_MAX_ROWS + 5])

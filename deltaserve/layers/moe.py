@@ -89,10 +89,19 @@ class Experts(nn.Module):
         self._packed: dict[int, tuple[PackedWeights, PackedWeights]] = {}
         self._native_packed = Derived()
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self.native and x.dtype == torch.bfloat16:
+    def runs_native(self, x: torch.Tensor) -> bool:
+        """x goes through the fused expert kernel (which can also run a shared MLP: `forward`'s `shared`)."""
+        return self.native and x.dtype == torch.bfloat16
+
+    def forward(self, x: torch.Tensor, routing: Routing,
+                shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+        """The routed experts' output; with `shared` (`MLP.shared_expert_packs`, only where `runs_native`) plus a
+        shared MLP's, computed in the same kernel pass and added as `MoE` adds them."""
+        if self.runs_native(x):
             return moe_bf16(x.contiguous(), routing.experts, routing.weights, self.w1, self.w3, self.w2,
-                            packed=self._native_weights(), situ=situ_params(self.config))
+                            packed=self._native_weights(), situ=situ_params(self.config), shared=shared)
+        if shared is not None:
+            raise ValueError("Experts: a shared MLP runs in the expert pass only on the native kernel")
         return dispatch_experts(x, routing, self.w1.shape[0], self.run_expert)
 
     def run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
@@ -183,6 +192,11 @@ class MoE(nn.Module):
                 r = self.routed_expert_norm(r)
             out = self.routed_expert_up_proj(r)
         else:
+            packs = (self.shared_experts.shared_expert_packs()
+                     if self.shared_experts is not None and getattr(self.experts, "runs_native", None) is not None
+                     and self.experts.runs_native(x) else None)
+            if packs is not None:  # the shared MLP's products overlap the routed experts' weight stream
+                return self.experts(x, routing, shared=packs)
             out = self.experts(x, routing)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

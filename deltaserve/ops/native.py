@@ -75,7 +75,7 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_linear_bf16.argtypes = [_I, _I, _I, _P, ctypes.c_int]
     lib.ds_linear_bf16.restype = None
     lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                ctypes.c_float, _P, _P, ctypes.c_int]
+                                ctypes.c_float, _P, _P, _P, _I, _P, _P, ctypes.c_int]
     lib.ds_moe_bf16.restype = ctypes.c_int
     lib.ds_kda_step.argtypes = [_I, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P,
                                 _I, _P, _P, ctypes.c_int]
@@ -260,12 +260,16 @@ def router_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: in
 
 def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
              w2: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             situ: tuple[float, float | None] | None = None) -> torch.Tensor:
+             situ: tuple[float, float | None] | None = None,
+             shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) with gated experts stacked as w1/w3 [E, I, D] and
     w2 [E, D, I] (bf16, contiguous); experts int64 [T, k], weights fp32 [T, k]. Returns bf16 [T, D]. With
     `packed` (`pack_rows` of w1, w3, w2: the dot-product tiles, or `pack_columns` of them: the outer-product
     kernel) the kernel reads those; w1/w3/w2 then give the shapes. The activation is SiLU-GLU, or SiTU with
-    `situ` = (beta, linear_beta or None) (ops/activation.py)."""
+    `situ` = (beta, linear_beta or None) (ops/activation.py). `shared` = (`pack_columns` of a shared MLP's gate
+    [IS, D], up [IS, D] and down [D, IS] weights, IS), with column-packed experts only: every token also runs
+    through that MLP in the same pass, and the result is the two outputs, each rounded to bf16, summed in bf16
+    (routed + shared, as the MoE block adds them)."""
     T, D = x.shape
     E, I, _ = w1.shape
     if not (x.is_contiguous() and _rows(x) and w1.shape == w3.shape == (E, I, D) and w2.shape == (E, D, I)):
@@ -281,6 +285,15 @@ def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: 
                 break
         else:
             raise ValueError("moe_bf16: packed weights must be pack_rows or pack_columns of w1, w3 and w2")
+    shared_ptrs, IS = [None, None, None], 0
+    if shared is not None:
+        *smats, IS = shared
+        want = [column_packed_shape(s) for s in ((IS, D), (IS, D), (D, IS))]
+        if layout != 2 or [tuple(m.shape) for m in smats] != want or not all(
+                m.dtype == torch.bfloat16 and m.is_contiguous() for m in smats):
+            raise ValueError("moe_bf16: a shared expert needs column-packed experts and pack_columns of its "
+                             "gate [IS, D], up [IS, D] and down [D, IS] weights")
+        shared_ptrs = [m.data_ptr() for m in smats]
     experts = experts.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     if experts.shape != weights.shape or experts.shape[0] != T:
@@ -291,8 +304,8 @@ def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: 
     bad = native_library().ds_moe_bf16(x.data_ptr(), T, D, experts.data_ptr(), weights.data_ptr(), k,
                                        mats[0].data_ptr(), mats[1].data_ptr(), mats[2].data_ptr(), E, I,
                                        layout, situ is not None, situ[0] if situ else 0.0,
-                                       float("nan") if situ is None or situ[1] is None else situ[1], h.data_ptr(),
-                                       out.data_ptr(), torch.get_num_threads())
+                                       float("nan") if situ is None or situ[1] is None else situ[1], *shared_ptrs,
+                                       IS, h.data_ptr(), out.data_ptr(), torch.get_num_threads())
     if bad:
         raise ValueError(f"moe_bf16: expert ids must lie in [0, {E})")
     return out

@@ -133,34 +133,69 @@ static inline void combine_row(const float *y, const float *wt, int64_t k, int64
     }
 }
 
+/* out[c] = bf16(out[c] + bf16(s[c])) for n <= COL_BLOCK columns: the shared expert's output row s (fp32 sums),
+ * rounded as its own product is, added to the routed sum as the reference adds two bf16 tensors. */
+static inline void add_shared_row(const float *s, int64_t n, bf16 *out) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16) {
+        __m512 o = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(out + c))), 16));
+        store_bf16_16(out + c, (__mmask16)0xffff, _mm512_add_ps(o, round_bf16_16(_mm512_loadu_ps(s + c))));
+    }
+#endif
+    for (; c < n; c++) out[c] = f32_to_bf16(bf16_to_f32(out[c]) + round_bf16(s[c]));
+}
+
 /* ds_moe_bf16 over column-packed w1, w3 [E] x [I, D] and w2 [E] x [D, I] (see products.c for the contract and
  * the roundings, which are the same; only the order of each dot product's fp32 sum differs). The pairs are
- * grouped by expert (order/start/used as there); xrows/hrows are the pairs' input and hidden rows in that order.
- * Phase 1: per (expert, block of 64 of I) the gate and up products and the activation into h; phase 2: per block
- * of 64 of D every expert's down product, then the weighted sum of each token's k outputs. */
-void moe_columns(const bf16 *const *xrows, const bf16 *const *hrows, const int64_t *order, const int64_t *start,
-                 const int64_t *used, int64_t nused, int64_t T, int64_t D, int64_t k, const float *weights,
-                 const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t I, const glu_act *act, bf16 *h, bf16 *out,
-                 int nthreads) {
-    int64_t s13 = column_packed_size(I, D), s2 = column_packed_size(D, I), P = T * k, mmax = 0;
+ * grouped by expert (order/start/used as there); xrows/hrows are the pairs' input and hidden rows in that order,
+ * x the tokens' rows. With a shared expert (sh not NULL) every token also runs through it and out is
+ * bf16(routed + shared), each rounded to bf16 first: the reference's MoE output plus its shared MLP's.
+ * Phase 1: per (expert, block of 64 of I) the gate and up products and the activation into h, the shared
+ * expert's blocks (all T tokens each: compute-bound) spread among the routed ones, whose stream they overlap;
+ * phase 2: per block of 64 of D every expert's down product, then the weighted sum of each token's k outputs
+ * (plus the shared expert's output). */
+void moe_columns(const bf16 *x, const bf16 *const *xrows, const bf16 *const *hrows, const int64_t *order,
+                 const int64_t *start, const int64_t *used, int64_t nused, int64_t T, int64_t D, int64_t k,
+                 const float *weights, const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t I,
+                 const shared_expert *sh, const glu_act *act, bf16 *h, bf16 *out, int nthreads) {
+    int64_t s13 = column_packed_size(I, D), s2 = column_packed_size(D, I), P = T * k, mmax = sh ? T : 0;
     for (int64_t u = 0; u < nused; u++)
         if (start[used[u] + 1] - start[used[u]] > mmax) mmax = start[used[u] + 1] - start[used[u]];
     int64_t iblocks = (I + COL_BLOCK - 1) / COL_BLOCK, dblocks = (D + COL_BLOCK - 1) / COL_BLOCK;
+    int64_t IS = sh ? sh->I : 0, R = nused * iblocks, S = (IS + COL_BLOCK - 1) / COL_BLOCK, N = R + S;
+    /* the shared expert's rows: every token, in order, and its hidden rows */
+    const bf16 **sx = malloc(sizeof(bf16 *) * (size_t)(2 * T)), **shrows = sx + T;
+    bf16 *hs = malloc(sizeof(bf16) * (size_t)(T * IS + 1));
+    for (int64_t t = 0; t < T; t++) {
+        sx[t] = x + t * D;
+        shrows[t] = hs + t * IS;
+    }
+    /* phase 1's items in order: routed item r >= 0, shared block j as -1 - j, at evenly spaced places */
+    int64_t *plan = malloc(sizeof(int64_t) * (size_t)(N + 1));
+    for (int64_t i = 0, j = 0, r = 0; i < N; i++)
+        plan[i] = j < S && (r == R || i >= (2 * j + 1) * N / (2 * S)) ? -1 - j++ : r++;
 #pragma omp parallel num_threads(nthreads)
     {
         float *g = malloc(sizeof(float) * (size_t)(mmax * COL_BLOCK));
         float *u = malloc(sizeof(float) * (size_t)(mmax * COL_BLOCK));
         float *y = malloc(sizeof(float) * (size_t)(P * COL_BLOCK)); /* one D block of every pair's output */
 #pragma omp for schedule(dynamic, 1) /* experts differ in token count */
-        for (int64_t item = 0; item < nused * iblocks; item++) {
-            int64_t e = used[item / iblocks], b = item % iblocks, s0 = start[e], m = start[e + 1] - s0;
-            int64_t n0 = b * COL_BLOCK, n = I - n0 < COL_BLOCK ? I - n0 : COL_BLOCK;
-            block_product(xrows + s0, m, w1 + e * s13, b, D, g);
-            block_product(xrows + s0, m, w3 + e * s13, b, D, u);
-            for (int64_t i = 0; i < m; i++)
+        for (int64_t i = 0; i < N; i++) {
+            int64_t shared = plan[i] < 0, b = shared ? -1 - plan[i] : plan[i] % iblocks;
+            int64_t e = shared ? 0 : used[plan[i] / iblocks], s0 = shared ? 0 : start[e];
+            int64_t m = shared ? T : start[e + 1] - s0, width = shared ? IS : I;
+            int64_t n0 = b * COL_BLOCK, n = width - n0 < COL_BLOCK ? width - n0 : COL_BLOCK;
+            const bf16 *const *rows = shared ? sx : xrows + s0;
+            block_product(rows, m, shared ? sh->w1 : w1 + e * s13, b, D, g);
+            block_product(rows, m, shared ? sh->w3 : w3 + e * s13, b, D, u);
+            for (int64_t r = 0; r < m; r++) {
+                bf16 *hr = shared ? hs + r * IS : h + order[s0 + r] * I;
                 for (int64_t c = 0; c < n; c += BLOCK_ROWS)
-                    glu_block(g + i * COL_BLOCK + c, u + i * COL_BLOCK + c, n - c < BLOCK_ROWS ? n - c : BLOCK_ROWS,
-                              act, h + order[s0 + i] * I + n0 + c);
+                    glu_block(g + r * COL_BLOCK + c, u + r * COL_BLOCK + c, n - c < BLOCK_ROWS ? n - c : BLOCK_ROWS,
+                              act, hr + n0 + c);
+            }
         }
         /* implicit barrier: every h row is complete */
 #pragma omp for schedule(static)
@@ -171,10 +206,18 @@ void moe_columns(const bf16 *const *xrows, const bf16 *const *hrows, const int64
                 block_product(hrows + s0, m, w2 + e * s2, b, I, g);
                 for (int64_t i = 0; i < m; i++) round_row(g + i * COL_BLOCK, n, y + order[s0 + i] * COL_BLOCK);
             }
-            for (int64_t t = 0; t < T; t++) combine_row(y + t * k * COL_BLOCK, weights + t * k, k, n, out + t * D + n0);
+            if (sh)
+                block_product(shrows, T, sh->w2, b, IS, g);
+            for (int64_t t = 0; t < T; t++) {
+                combine_row(y + t * k * COL_BLOCK, weights + t * k, k, n, out + t * D + n0);
+                if (sh) add_shared_row(g + t * COL_BLOCK, n, out + t * D + n0);
+            }
         }
         free(g);
         free(u);
         free(y);
     }
+    free(sx);
+    free(hs);
+    free(plan);
 }

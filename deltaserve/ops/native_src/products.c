@@ -92,12 +92,18 @@ static void moe_rows(const bf16 *const *xrows, const bf16 *const *hrows, const i
  * packed: pack_rows' layout (packed 1), or pack_columns' (packed 2: experts.c, the outer-product kernel).
  * Each expert runs once over the tokens that picked it. h [T*k, I] is scratch. Rounding as the reference:
  * gate, up, silu(gate), the GLU product and each expert's output are bf16; the combine is fp32, rounded once.
- * A dense MLP is the case E = 1, k = 1, weight 1. Returns 0, or -1 (nothing computed) for an id outside [0, E). */
+ * A dense MLP is the case E = 1, k = 1, weight 1. With IS > 0 (column-packed experts only) a shared expert of
+ * width IS, column-packed s1/s3 [IS, D] and s2 [D, IS], runs over every token and out is bf16(routed + shared),
+ * each rounded to bf16 first (the MoE block's sum), in the same pass over the weights (experts.c).
+ * Returns 0, -1 (nothing computed) for an id outside [0, E), or -2 for a shared expert without packed 2. */
 int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
                 const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind,
-                float beta, float lin_beta, bf16 *h, bf16 *out, int nthreads) {
+                float beta, float lin_beta, const bf16 *s1, const bf16 *s3, const bf16 *s2, int64_t IS, bf16 *h,
+                bf16 *out, int nthreads) {
     glu_act actv = {act_kind, !isnan(lin_beta), beta, lin_beta}, *act = &actv;
+    shared_expert shared = {s1, s3, s2, IS};
     int64_t P = T * k;
+    if (IS > 0 && packed != 2) return -2;
     for (int64_t p = 0; p < P; p++)
         if (experts[p] < 0 || experts[p] >= E) return -1;
     /* pairs grouped by expert, ascending expert then pair index: order[start[e] .. start[e+1]) */
@@ -116,7 +122,8 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
         hrows[s] = h + order[s] * I;
     }
     if (packed == 2)
-        moe_columns(xrows, hrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I, act, h, out, nthreads);
+        moe_columns(x, xrows, hrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I,
+                    IS > 0 ? &shared : NULL, act, h, out, nthreads);
     else
         moe_rows(xrows, hrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I, packed, act, h, out,
                  nthreads);
