@@ -164,11 +164,13 @@ def test_moe_matches_the_torch_dispatch(T):
     assert torch.equal(experts(x, routing), got_columns)
 
 
+@pytest.mark.parametrize("T", [40, 150])
 @pytest.mark.parametrize("D, I", [(97, 33), (64, 128), (130, 70)])
-def test_column_packed_experts_match_the_torch_dispatch_at_odd_sizes(D, I):
+def test_column_packed_experts_match_the_torch_dispatch_at_odd_sizes(D, I, T):
     """The outer-product kernel over pack_columns: odd K (the last pair half padding), widths past and short of
-    the 64-column blocks, and experts with more tokens than a register tile (6) and with none."""
-    E, k, T = 6, 2, 40
+    the 64-column blocks, and experts with more tokens than a register tile (6) and with none; at 150 tokens each
+    expert has ~60, past the count where its tiles run the whole K instead of chunks (TILED_TOKENS)."""
+    E, k = 6, 2
     experts = _experts(E, D, I, T)
     g = torch.Generator().manual_seed(D)
     x = torch.randn(T, D, generator=g).to(torch.bfloat16)
