@@ -194,6 +194,21 @@ def test_native_router_matches_the_torch_router(make_checkpoint, preset):
     torch.testing.assert_close(got.weights, want.weights, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("E, D", [(64, 1024), (7, 100), (10, 48)])
+def test_native_router_tiles_sum_as_one_token_at_a_time(E, D):
+    """The router's logits tiles (4 tokens x 2 experts) sum in the same order as its one-token path: each token's
+    experts and weights are bit for bit what it gets alone, whatever the token count, with odd expert counts and
+    widths off the 32-float steps."""
+    g = torch.Generator().manual_seed(E + D)
+    w, bias = torch.randn(E, D, generator=g), torch.randn(E, generator=g) * 0.1
+    x = torch.randn(11, D, generator=g).to(torch.bfloat16)
+    k = min(4, E)
+    together = native.router_bf16(x, w, bias, k, False, 1, 1, True, 2.5)
+    alone = [native.router_bf16(x[i:i + 1], w, bias, k, False, 1, 1, True, 2.5) for i in range(x.shape[0])]
+    assert torch.equal(together[0], torch.cat([a[0] for a in alone]))
+    assert torch.equal(together[1], torch.cat([a[1] for a in alone]))
+
+
 def test_native_router_rejects_an_impossible_top_k():
     x = torch.randn(2, 8).to(torch.bfloat16)
     with pytest.raises(ValueError, match="top-5 of 4 experts"):

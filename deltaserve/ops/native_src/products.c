@@ -162,6 +162,55 @@ static void stable_topk(const float *v, int64_t n, int64_t k, int64_t *idx, unsi
     }
 }
 
+#define ROUTER_TOKENS 4  /* tokens per logits tile */
+#define ROUTER_EXPERTS 2 /* experts per logits tile: 4 x 2 pairs of accumulators, 16 zmm */
+
+/* s[t][e] = dotf(x[t], w[e], D) for the n <= ROUTER_TOKENS fp32 rows x and all E experts of w [E, D] (s rows of
+ * E floats), summed exactly as dotf sums (the same two accumulators over alternating 16-lane blocks, the same
+ * reduction and tail: equal bit for bit). Why (issue 10): dotf loads two vectors per FMA, and this core loads one
+ * 512-bit vector a cycle; the tile loads 12 per 16 FMAs (each token's inputs once for two experts, each expert's
+ * row once for four tokens). Router of 64 experts over D = 1024, 2-core EPYC, one process: 128 tokens 288 -> 185
+ * us, 2,048 tokens 4.16 -> 2.44 ms, 8 tokens 33 -> 19 us. */
+static void router_logits(const float *const *x, int n, const float *w, int64_t E, int64_t D, float *const *s) {
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    for (; n == ROUTER_TOKENS && e + ROUTER_EXPERTS <= E; e += ROUTER_EXPERTS) {
+        __m512 a0[ROUTER_TOKENS][ROUTER_EXPERTS], a1[ROUTER_TOKENS][ROUTER_EXPERTS];
+        for (int t = 0; t < ROUTER_TOKENS; t++)
+            for (int j = 0; j < ROUTER_EXPERTS; j++) a0[t][j] = a1[t][j] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 32 <= D; i += 32) {
+            __m512 x0[ROUTER_TOKENS], x1[ROUTER_TOKENS];
+            for (int t = 0; t < ROUTER_TOKENS; t++) {
+                x0[t] = _mm512_loadu_ps(x[t] + i);
+                x1[t] = _mm512_loadu_ps(x[t] + i + 16);
+                __asm__("" : "+v"(x0[t]), "+v"(x1[t])); /* in registers: the compiler reloaded them per expert */
+            }
+            for (int j = 0; j < ROUTER_EXPERTS; j++) {
+                __m512 w0 = _mm512_loadu_ps(w + (e + j) * D + i), w1 = _mm512_loadu_ps(w + (e + j) * D + i + 16);
+                __asm__("" : "+v"(w0), "+v"(w1)); /* one load each for the four tokens */
+                for (int t = 0; t < ROUTER_TOKENS; t++) {
+                    a0[t][j] = _mm512_fmadd_ps(x0[t], w0, a0[t][j]);
+                    a1[t][j] = _mm512_fmadd_ps(x1[t], w1, a1[t][j]);
+                }
+            }
+        }
+        for (int t = 0; t < ROUTER_TOKENS; t++)
+            for (int j = 0; j < ROUTER_EXPERTS; j++) {
+                int64_t r = i;
+                const float *wr = w + (e + j) * D;
+                for (; r + 16 <= D; r += 16)
+                    a0[t][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x[t] + r), _mm512_loadu_ps(wr + r), a0[t][j]);
+                float v = _mm512_reduce_add_ps(_mm512_add_ps(a0[t][j], a1[t][j]));
+                for (; r < D; r++) v += x[t][r] * wr[r];
+                s[t][e + j] = v;
+            }
+    }
+#endif
+    for (; e < E; e++)
+        for (int t = 0; t < n; t++) s[t][e] = dotf(x[t], w + e * D, D);
+}
+
 /* The MoE router of model.md §10 for T bf16 rows x (row stride ldx): fp32 logits against the fp32 weight
  * w [E, D], scores sigmoid (softmax != 0: softmax), choice = scores + bias; with ngroups > 1 only the topk_group
  * groups of highest top-2 choice sum stay eligible; the k experts of highest choice (ties to the lower id), their
@@ -175,55 +224,66 @@ int ds_router(const bf16 *x, int64_t T, int64_t D, int64_t ldx, const float *w, 
     if (k > E || E % G != 0 || topk_group > G) return -1;
 #pragma omp parallel num_threads(nthreads) if (T * E * D >= (1 << 20))
     {
-        float *xf = malloc(sizeof(float) * (size_t)D), *s = malloc(sizeof(float) * (size_t)(2 * E + G));
-        float *choice = s + E, *gscore = choice + E;
+        /* the tile's fp32 rows and logits, then one token's scores, choices and group scores */
+        float *xf = malloc(sizeof(float) * (size_t)(ROUTER_TOKENS * (D + E) + 2 * E + G));
+        float *logits = xf + ROUTER_TOKENS * D, *s = logits + ROUTER_TOKENS * E, *choice = s + E;
+        float *gscore = choice + E;
         int64_t *gkeep = malloc(sizeof(int64_t) * (size_t)G);
         unsigned char *taken = malloc((size_t)(E > G ? E : G));
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            for (int64_t c = 0; c < D; c++) xf[c] = bf16_to_f32(x[t * ldx + c]);
-            float mx = -INFINITY, sum = 0.f;
-            for (int64_t e = 0; e < E; e++) {
-                s[e] = dotf(xf, w + e * D, D);
-                mx = s[e] > mx ? s[e] : mx;
+        for (int64_t t0 = 0; t0 < T; t0 += ROUTER_TOKENS) {
+            int nt = T - t0 < ROUTER_TOKENS ? (int)(T - t0) : ROUTER_TOKENS;
+            const float *rows[ROUTER_TOKENS];
+            float *outs[ROUTER_TOKENS];
+            for (int i = 0; i < nt; i++) {
+                for (int64_t c = 0; c < D; c++) xf[i * D + c] = bf16_to_f32(x[(t0 + i) * ldx + c]);
+                rows[i] = xf + i * D;
+                outs[i] = logits + i * E;
             }
-            for (int64_t e = 0; e < E; e++) {
-                s[e] = softmax ? expf(s[e] - mx) : 1.f / (1.f + expf(-s[e]));
-                sum += s[e];
-            }
-            for (int64_t e = 0; e < E; e++) {
-                if (softmax) s[e] /= sum;
-                choice[e] = s[e] + bias[e];
-            }
-            if (G > 1) {
-                int64_t n = E / G;
-                for (int64_t g = 0; g < G; g++) {
-                    float a = -INFINITY, b = -INFINITY; /* the two largest of the group */
-                    for (int64_t e = g * n; e < (g + 1) * n; e++) {
-                        if (choice[e] > a) {
-                            b = a;
-                            a = choice[e];
-                        } else if (choice[e] > b) {
-                            b = choice[e];
-                        }
-                    }
-                    gscore[g] = a + b;
+            router_logits(rows, nt, w, E, D, outs);
+            for (int64_t t = t0; t < t0 + nt; t++) {
+                float mx = -INFINITY, sum = 0.f;
+                for (int64_t e = 0; e < E; e++) {
+                    s[e] = logits[(t - t0) * E + e];
+                    mx = s[e] > mx ? s[e] : mx;
                 }
-                stable_topk(gscore, G, topk_group, gkeep, taken);
-                memset(taken, 0, (size_t)G);
-                for (int64_t j = 0; j < topk_group; j++) taken[gkeep[j]] = 1;
-                for (int64_t e = 0; e < E; e++)
-                    if (!taken[e / n]) choice[e] = -INFINITY;
+                for (int64_t e = 0; e < E; e++) {
+                    s[e] = softmax ? expf(s[e] - mx) : 1.f / (1.f + expf(-s[e]));
+                    sum += s[e];
+                }
+                for (int64_t e = 0; e < E; e++) {
+                    if (softmax) s[e] /= sum;
+                    choice[e] = s[e] + bias[e];
+                }
+                if (G > 1) {
+                    int64_t n = E / G;
+                    for (int64_t g = 0; g < G; g++) {
+                        float a = -INFINITY, b = -INFINITY; /* the two largest of the group */
+                        for (int64_t e = g * n; e < (g + 1) * n; e++) {
+                            if (choice[e] > a) {
+                                b = a;
+                                a = choice[e];
+                            } else if (choice[e] > b) {
+                                b = choice[e];
+                            }
+                        }
+                        gscore[g] = a + b;
+                    }
+                    stable_topk(gscore, G, topk_group, gkeep, taken);
+                    memset(taken, 0, (size_t)G);
+                    for (int64_t j = 0; j < topk_group; j++) taken[gkeep[j]] = 1;
+                    for (int64_t e = 0; e < E; e++)
+                        if (!taken[e / n]) choice[e] = -INFINITY;
+                }
+                int64_t *idx = experts + t * k;
+                stable_topk(choice, E, k, idx, taken);
+                float wsum = 0.f;
+                for (int64_t j = 0; j < k; j++) wsum += s[idx[j]];
+                for (int64_t j = 0; j < k; j++)
+                    weights[t * k + j] = (renorm ? s[idx[j]] / (wsum + 1e-20f) : s[idx[j]]) * scale;
             }
-            int64_t *idx = experts + t * k;
-            stable_topk(choice, E, k, idx, taken);
-            float wsum = 0.f;
-            for (int64_t j = 0; j < k; j++) wsum += s[idx[j]];
-            for (int64_t j = 0; j < k; j++)
-                weights[t * k + j] = (renorm ? s[idx[j]] / (wsum + 1e-20f) : s[idx[j]]) * scale;
         }
         free(xf);
-        free(s);
         free(gkeep);
         free(taken);
     }
