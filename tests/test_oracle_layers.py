@@ -193,6 +193,25 @@ def test_absorbed_equals_expanded_fp32(mask_kind, n_q, S):
         assert (causal - ref).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("n_q,S,kind", [(40, 40, "causal"), (40, 40, "sparse"), (9, 33, "causal")])
+def test_expanded_takes_the_kernels_causal_form_only_for_a_plain_causal_chunk(monkeypatch, n_q, S, kind):
+    """mla_attention_expanded hands a chunk with no cached prefix under the causal bound to the fused kernel's
+    own causal form, bit for bit the masked result (bf16); a sparse mask or a chunk after a prefix keeps the mask."""
+    import deltaserve.ops.mla as mla_ops
+    args = _mla_inputs(n_q, S, seed=7, dtype=torch.bfloat16)
+    allowed = _masks(n_q, S, seed=8)[kind]
+    scale = (N_NOPE + RHO) ** -0.5
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append(kw["is_causal"]) or sdpa(*a, **kw))
+    fast = mla_attention_expanded(*args, V, scale, allowed)
+    monkeypatch.setattr(mla_ops.torch, "equal", lambda *a: False)  # force the masked form
+    masked = mla_attention_expanded(*args, V, scale, allowed)
+    monkeypatch.undo()
+    assert seen == [kind == "causal" and n_q == S, False]
+    assert torch.equal(fast, masked)
+
+
 def test_absorbed_and_expanded_bf16_close():
     """bf16 inputs: both forms stay within bf16 rounding of the fp64 loop (model.md §9.3)."""
     n_q, S = 16, 40
