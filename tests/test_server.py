@@ -573,7 +573,8 @@ def test_sigterm_drains_then_exits(checkpoint):
                 events.append(exc)
             results[name] = events
 
-        short = threading.Thread(target=stream, args=("short", 12))
+        # long enough to be seen running beside the long one (12 tokens could finish between two polls)
+        short = threading.Thread(target=stream, args=("short", 150))
         long = threading.Thread(target=stream, args=("long", 4000))
         long.start()
         short.start()
