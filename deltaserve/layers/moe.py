@@ -192,8 +192,8 @@ class MoE(nn.Module):
                 r = self.routed_expert_norm(r)
             out = self.routed_expert_up_proj(r)
         else:
-            packs = (self.shared_experts.shared_expert_packs()
-                     if self.shared_experts is not None and getattr(self.experts, "runs_native", None) is not None
+            packs = (self.shared_experts.shared_expert_packs()  # MX experts (layers/quantized.py) have no kernel
+                     if self.shared_experts is not None and isinstance(self.experts, Experts)
                      and self.experts.runs_native(x) else None)
             if packs is not None:  # the shared MLP's products overlap the routed experts' weight stream
                 return self.experts(x, routing, shared=packs)
