@@ -50,6 +50,25 @@ def test_linear_matches_the_exact_product_rounded(M, K):
         torch.testing.assert_close(part, F.linear(x, w), atol=0, rtol=2 ** -7)  # the oneDNN twin, within a step
 
 
+@pytest.mark.parametrize("K", [1024, 96, 37])
+@pytest.mark.parametrize("M", [5, 9, 33, 130])
+def test_column_linear_matches_the_exact_product_rounded(M, K):
+    """`linear_columns` (above the 4-row tiles): every output the exact product rounded once, for stacked weights
+    whose widths fall on and off the 64-column blocks, odd K, and row counts below and above a register tile (6)
+    and the count where tiles run the whole K (24); rows read at a stride."""
+    g = torch.Generator().manual_seed(M * 1000 + K + 1)
+    x = torch.randn(M, K + 3, generator=g).to(torch.bfloat16)[:, :K]  # rows at a stride of K + 3
+    weights = [torch.randn(n, K, generator=g).to(torch.bfloat16) for n in (1, 7, 64, 200)]
+    stacked = torch.cat(weights)
+    packed = native.pack_columns(stacked)
+    y = native.linear_columns(x, packed, stacked.shape[0])
+    for w, part in zip(weights, torch.split(y, [w.shape[0] for w in weights], dim=-1)):
+        _assert_rounded_product(part, x, w)
+        torch.testing.assert_close(part, F.linear(x, w), atol=0, rtol=2 ** -7)
+    with pytest.raises(ValueError, match="pack_columns"):
+        native.linear_columns(x, native.pack_rows(stacked), stacked.shape[0])
+
+
 def test_module_group_on_the_kernels_gives_each_modules_product():
     from deltaserve.layers.prepack import PackedWeights, module_group
     g = torch.Generator().manual_seed(2)
@@ -309,7 +328,7 @@ def test_moe_rejects_bad_expert_ids_and_shapes():
 
 
 @pytest.mark.parametrize("T", [1, 4, 7, MLP_MAX_ROWS + 5])
-def test_mlp_and_linear_modules_switch_to_the_kernels(T):
+def test_mlp_and_linear_modules_switch_to_the_kernels(T, monkeypatch):
     config = ModelConfig.from_dict(get_preset("kimi-linear-tiny").config)
     g = torch.Generator().manual_seed(T)
     mlp = MLP(config, 64, 48)
@@ -320,10 +339,13 @@ def test_mlp_and_linear_modules_switch_to_the_kernels(T):
     x = torch.randn(T, 64, generator=g).to(torch.bfloat16)
     plain = mlp(x)
     assert enable_native_kernels(mlp) == 3 and all(m.native for m in mlp.modules() if isinstance(m, Linear))
-    if T <= MLP_MAX_ROWS:
-        torch.testing.assert_close(mlp(x), plain, atol=2e-3, rtol=2 ** -6)
-    else:  # above the limit the torch path runs
-        assert torch.equal(mlp(x), plain)
+    import deltaserve.layers.prepack as prepack
+    columns = []
+    monkeypatch.setattr(prepack, "linear_columns",
+                        lambda *a: columns.append(a[0].shape[0]) or native.linear_columns(*a))
+    # up to MLP_MAX_ROWS the fused expert kernel; above, the linears' column-packed products (gate and up as one)
+    torch.testing.assert_close(mlp(x), plain, atol=2e-3, rtol=2 ** -6)
+    assert columns == ([] if T <= MLP_MAX_ROWS else [T, T])
 
 
 def test_fp32_modules_are_not_switched():

@@ -4,9 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.native import linear_packed
-from .native_path import LINEAR_MAX_ROWS, takes_native
-from .prepack import PackedWeights, packed_linear
+from .prepack import PackedWeights, native_product, packed_linear
 
 
 class Linear(nn.Linear):
@@ -14,7 +12,9 @@ class Linear(nn.Linear):
 
     With `prepack` on (set by `layers.prepack.enable_prepacking`), the bf16 weight is packed once for oneDNN and
     products run on the packed copy: bit-identical to `F.linear`, faster at decode sizes. With `native` on (set by
-    `layers.native_path.enable_native_kernels`), a few rows run the native bf16 kernel on its own packed copy."""
+    `layers.native_path.enable_native_kernels`), bf16 rows run the native kernels on their own packed copies
+    (`prepack.native_product`: 4-row tiles for a few rows, column blocks above), equal to `F.linear` to fp32
+    rounding of the sums."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
@@ -23,8 +23,9 @@ class Linear(nn.Linear):
         self._packed = PackedWeights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and takes_native(x, LINEAR_MAX_ROWS):
-            return linear_packed(x, self._packed.get_native([self.weight]), self.out_features)
+        y = native_product(x, [self.weight], self._packed) if self.native else None
+        if y is not None:
+            return y
         if self.prepack:
             return packed_linear(x, self._packed.get([self.weight]))
         return F.linear(x, self.weight)

@@ -1,11 +1,12 @@
 """Which modules take the native small-batch kernels (`ops/native.py`) and when.
 
 `enable_native_kernels` switches `native` on for every module that has the switch and bf16 CPU weights, once the
-kernels have built. Plain linears and dense MLPs still run oneDNN above a row count where its blocked GEMM is
-faster (measured on the 2-core EPYC): linears up to `LINEAR_MAX_ROWS` rows, MLPs up to `MLP_MAX_ROWS` tokens take
-the kernels. Routed experts take the fused kernel at every size: each expert sees only a share of the tokens, and
-one call over all of them beat the per-expert oneDNN dispatch from 1 token (559 -> 78 us) to 2048 (92 -> 55 ms)
-on kimi-linear-small's expert shapes.
+kernels have built. Linears take the 4-row dot tiles up to `LINEAR_MAX_ROWS` rows and the column-packed product
+above (`ops/native.py` linear_columns: faster than oneDNN's packed product from 5 to ~512 rows on the 2-core
+EPYC, within 2-4% of it at 2,048, so one packed copy serves every size); dense MLPs take the fused expert kernel up
+to `MLP_MAX_ROWS` tokens and their linears above. Routed experts take the fused kernel at every size: each expert
+sees only a share of the tokens, and one call over all of them beat the per-expert oneDNN dispatch from 1 token
+(559 -> 78 us) to 2048 (92 -> 55 ms) on kimi-linear-small's expert shapes.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ MLP_MAX_ROWS = 8
 __all__ = ["LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "takes_native", "enable_native_kernels", "switch_modules"]
 
 
-def takes_native(x: torch.Tensor, max_rows: int) -> bool:
-    """x is a bf16 [rows, K] matrix with contiguous rows and at most max_rows rows."""
-    return x.dim() == 2 and x.shape[0] <= max_rows and x.dtype == torch.bfloat16 and x.stride(1) == 1
+def takes_native(x: torch.Tensor, max_rows: int | None) -> bool:
+    """x is a bf16 [rows, K] matrix with contiguous rows and at most max_rows rows (None: any number)."""
+    return (x.dim() == 2 and (max_rows is None or x.shape[0] <= max_rows) and x.dtype == torch.bfloat16
+            and x.stride(1) == 1)
 
 
 def enable_native_kernels(model: torch.nn.Module) -> int:

@@ -7,7 +7,9 @@ gives bit-identical outputs (the same kernel; tests/test_prepack.py checks equal
 
 `PackedWeights` keeps one packed copy of a weight matrix (or of several stacked) and repacks when the source's storage or version counter
 moves, so it never goes stale. The packed copy is extra memory (one more copy of every packed matrix); the engine
-packs only with `--ops fast`, bf16 weights and oneDNN bf16 support, and `--no-prepack-weights` turns it off.
+packs only with `--ops fast`, bf16 weights and oneDNN bf16 support, and `--no-prepack-weights` turns it off. It
+also holds the native kernels' forms of the same weights (`get_native`, `get_columns`): with the native kernels on,
+linears run those at every row count (`native_product`) and the oneDNN form is never built.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..ops.native import linear_packed, pack_rows
+from ..ops.native import linear_columns, linear_packed, pack_columns, pack_rows
 from .native_path import LINEAR_MAX_ROWS, switch_modules, takes_native
 
 
@@ -66,6 +68,20 @@ class PackedWeights:
     def get_native(self, weights: list[torch.Tensor]) -> torch.Tensor:
         return self._form(weights, "native", pack_rows)
 
+    def get_columns(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        return self._form(weights, "columns", pack_columns)
+
+
+def native_product(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedWeights) -> torch.Tensor | None:
+    """x @ (the weights stacked)^T on the native kernels when x takes them (bf16 rows): the 4-row dot tiles up to
+    `LINEAR_MAX_ROWS` rows, the column-packed product above (layers/native_path.py); None otherwise."""
+    n_out = sum(w.shape[0] for w in weights)
+    if takes_native(x, LINEAR_MAX_ROWS):
+        return linear_packed(x, packed.get_native(weights), n_out)
+    if takes_native(x, None):
+        return linear_columns(x, packed.get_columns(weights), n_out)
+    return None
+
 
 def linear_group(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedWeights) -> list[torch.Tensor]:
     """[x @ w.T for w in weights] as one product over the stacked packed weights, split (each part made contiguous:
@@ -76,11 +92,13 @@ def linear_group(x: torch.Tensor, weights: list[torch.Tensor], packed: PackedWei
 
 def stacked_product(x: torch.Tensor, modules: list[torch.nn.Module], packed: PackedWeights) -> torch.Tensor | None:
     """The modules' products side by side, [rows, sum N], computed as one product over their stacked weights when
-    every module is a Linear on the native kernels (few rows) or prepacked; None otherwise (an MX linear, or both
-    off: each module runs on its own)."""
+    every module is a Linear on the native kernels or prepacked; None otherwise (an MX linear, or both off: each
+    module runs on its own)."""
     weights = [getattr(m, "weight", None) for m in modules]
-    if all(getattr(m, "native", False) for m in modules) and takes_native(x, LINEAR_MAX_ROWS):
-        return linear_packed(x, packed.get_native(weights), sum(w.shape[0] for w in weights))
+    if all(getattr(m, "native", False) for m in modules):
+        y = native_product(x, weights, packed)
+        if y is not None:
+            return y
     if all(getattr(m, "prepack", False) for m in modules):
         return packed_linear(x, packed.get(weights))
     return None

@@ -77,6 +77,8 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                 ctypes.c_float, _P, _P, _P, _I, _P, _P, ctypes.c_int]
     lib.ds_moe_bf16.restype = ctypes.c_int
+    lib.ds_linear_columns.argtypes = [_P, _I, _I, _I, _P, _I, _P, ctypes.c_int]
+    lib.ds_linear_columns.restype = None
     lib.ds_kda_step.argtypes = [_I, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P,
                                 _I, _P, _P, ctypes.c_int]
     lib.ds_kda_step.restype = None
@@ -195,6 +197,20 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Te
     y = torch.empty(M, n_out, dtype=torch.bfloat16)
     desc = (ctypes.c_int64 * 7)(packed.data_ptr(), -1, n_out, y.data_ptr(), n_out, x.data_ptr(), x.stride(0))
     native_library().ds_linear_bf16(M, K, 1, desc, torch.get_num_threads())
+    return y
+
+
+def linear_columns(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Tensor:
+    """x [M, K] (bf16, contiguous rows) @ W^T for W [n_out, K] packed by `pack_columns`, any M; returns [M, n_out]
+    bf16, each output rounded once from its fp32 sum (native_src/experts.c ds_linear_columns)."""
+    M, K = x.shape
+    if not (_rows(x) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+            and tuple(packed.shape) == column_packed_shape((n_out, K))):
+        raise ValueError("linear_columns takes bf16 x [M, K] with contiguous rows and a pack_columns weight of that K")
+    y = torch.empty(M, n_out, dtype=torch.bfloat16)
+    if M:
+        native_library().ds_linear_columns(x.data_ptr(), M, x.stride(0), K, packed.data_ptr(), n_out, y.data_ptr(),
+                                           torch.get_num_threads())
     return y
 
 

@@ -19,6 +19,9 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const bf16 *const *hro
                  const int64_t *start, const int64_t *used, int64_t nused, int64_t T, int64_t D, int64_t k,
                  const float *weights, const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t I,
                  const shared_expert *sh, const glu_act *act, bf16 *h, bf16 *out, int nthreads);
+/* experts.c: a plain product over a column-packed weight (ops/native.py linear_columns). */
+void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *w, int64_t N, bf16 *out,
+                       int nthreads);
 void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf16 *w, float eps, bf16 *out,
                      int nthreads);
 void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
