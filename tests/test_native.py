@@ -51,11 +51,11 @@ def test_linear_matches_the_exact_product_rounded(M, K):
 
 
 @pytest.mark.parametrize("K", [1024, 96, 37])
-@pytest.mark.parametrize("M", [5, 9, 33, 130])
+@pytest.mark.parametrize("M", [5, 9, 33, 130, 300, 513])
 def test_column_linear_matches_the_exact_product_rounded(M, K):
     """`linear_columns` (above the 4-row tiles): every output the exact product rounded once, for stacked weights
-    whose widths fall on and off the 64-column blocks, odd K, and row counts below and above a register tile (6)
-    and the count where tiles run the whole K (24); rows read at a stride."""
+    whose widths fall on and off the 64-column blocks, odd K, row counts below and above a register tile (6) and
+    the count where tiles run the whole K (24), up to prefill sizes; rows read at a stride."""
     g = torch.Generator().manual_seed(M * 1000 + K + 1)
     x = torch.randn(M, K + 3, generator=g).to(torch.bfloat16)[:, :K]  # rows at a stride of K + 3
     weights = [torch.randn(n, K, generator=g).to(torch.bfloat16) for n in (1, 7, 64, 200)]
@@ -64,7 +64,8 @@ def test_column_linear_matches_the_exact_product_rounded(M, K):
     y = native.linear_columns(x, packed, stacked.shape[0])
     for w, part in zip(weights, torch.split(y, [w.shape[0] for w in weights], dim=-1)):
         _assert_rounded_product(part, x, w)
-        torch.testing.assert_close(part, F.linear(x, w), atol=0, rtol=2 ** -7)
+        # the oneDNN twin, within a step (an output near 0 from cancellation may differ by its fp32 sums' rounding)
+        torch.testing.assert_close(part, F.linear(x, w), atol=1e-4, rtol=2 ** -7)
     with pytest.raises(ValueError, match="pack_columns"):
         native.linear_columns(x, native.pack_rows(stacked), stacked.shape[0])
 
