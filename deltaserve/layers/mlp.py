@@ -5,10 +5,10 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.activation import silu_glu, situ_glu
-from ..ops.native import moe_bf16, pack_columns
+from ..ops.native import moe_bf16
 from .linear import Linear
 from .native_path import MLP_MAX_ROWS, takes_native
-from .prepack import Derived, PackedWeights, module_group
+from .prepack import PackedWeights, module_group
 
 
 def situ_params(config: ModelConfig) -> tuple[float, float | None] | None:
@@ -31,7 +31,6 @@ class MLP(nn.Module):
         self.up_proj = Linear(in_dim, width)
         self.down_proj = Linear(width, in_dim)
         self._gate_up = PackedWeights()
-        self._columns = Derived()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linears = (self.gate_proj, self.up_proj, self.down_proj)
@@ -47,10 +46,9 @@ class MLP(nn.Module):
     def shared_expert_packs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
         """(`pack_columns` of the gate, up and down weights, width) when all three linears are on the native kernels,
         for the routed experts' kernel to run this MLP as the MoE's shared expert in its own pass (`moe_bf16`'s
-        `shared`); else None. Packed on first use, rebuilt when a weight changes."""
+        `shared`); else None. Packed on first use, rebuilt when a weight changes (`PackedWeights`)."""
         linears = (self.gate_proj, self.up_proj, self.down_proj)
         if not all(getattr(m, "native", False) for m in linears):
             return None
-        weights = [m.weight for m in linears]
-        return (*self._columns.get(weights, lambda: tuple(pack_columns(w) for w in weights)),
-                self.gate_proj.out_features)
+        # the linears' own column packs: the copies they multiply with above 4 rows, so no second copy is kept
+        return (*(m._packed.get_columns([m.weight]) for m in linears), self.gate_proj.out_features)

@@ -178,12 +178,13 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const bf16 *const *hro
         if (start[used[u] + 1] - start[used[u]] > mmax) mmax = start[used[u] + 1] - start[used[u]];
     int64_t iblocks = (I + COL_BLOCK - 1) / COL_BLOCK, dblocks = (D + COL_BLOCK - 1) / COL_BLOCK;
     int64_t dgroups = (dblocks + DOWN_GROUP - 1) / DOWN_GROUP;
-    bf16 *y = malloc(sizeof(bf16) * (size_t)((P + T) * D)), *ys = y + P * D; /* expert outputs, rounded */
+    /* every pair's expert output, rounded, then (with a shared expert) every token's shared output */
+    bf16 *y = malloc(sizeof(bf16) * (size_t)((P + (sh ? T : 0)) * D)), *ys = y + P * D;
     int64_t IS = sh ? sh->I : 0, R = nused * iblocks, S = (IS + COL_BLOCK - 1) / COL_BLOCK, N = R + S;
     /* the shared expert's rows: every token, in order, and its hidden rows */
-    const bf16 **sx = malloc(sizeof(bf16 *) * (size_t)(2 * T)), **shrows = sx + T;
-    bf16 *hs = malloc(sizeof(bf16) * (size_t)(T * IS + 1));
-    for (int64_t t = 0; t < T; t++) {
+    const bf16 **sx = sh ? malloc(sizeof(bf16 *) * (size_t)(2 * T)) : NULL, **shrows = sh ? sx + T : NULL;
+    bf16 *hs = sh ? malloc(sizeof(bf16) * (size_t)(T * IS)) : NULL;
+    for (int64_t t = 0; sh && t < T; t++) {
         sx[t] = x + t * D;
         shrows[t] = hs + t * IS;
     }
