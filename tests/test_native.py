@@ -50,24 +50,35 @@ def test_linear_matches_the_exact_product_rounded(M, K):
         torch.testing.assert_close(part, F.linear(x, w), atol=0, rtol=2 ** -7)  # the oneDNN twin, within a step
 
 
+@pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize("K", [1024, 96, 37])
 @pytest.mark.parametrize("M", [5, 9, 33, 130, 300, 513])
-def test_column_linear_matches_the_exact_product_rounded(M, K):
+def test_column_linear_matches_the_exact_product_rounded(M, K, tiles):
     """`linear_columns` (above the 4-row tiles): every output the exact product rounded once, for stacked weights
     whose widths fall on and off the 64-column blocks, odd K, row counts below and above a register tile (6) and
-    the count where tiles run the whole K (24), up to prefill sizes; rows read at a stride."""
+    the count where tiles run the whole K (24), up to prefill sizes; rows read at a stride. Both forms: the AMX
+    tile unit's (where the CPU has one; whole 16-row tiles and a partial one, K past its last group of 32 on the
+    pair products) and the AVX512 pair products'."""
     g = torch.Generator().manual_seed(M * 1000 + K + 1)
     x = torch.randn(M, K + 3, generator=g).to(torch.bfloat16)[:, :K]  # rows at a stride of K + 3
     weights = [torch.randn(n, K, generator=g).to(torch.bfloat16) for n in (1, 7, 64, 200)]
     stacked = torch.cat(weights)
     packed = native.pack_columns(stacked)
-    y = native.linear_columns(x, packed, stacked.shape[0])
+    y = native.linear_columns(x, packed, stacked.shape[0], tiles=tiles)
     for w, part in zip(weights, torch.split(y, [w.shape[0] for w in weights], dim=-1)):
         _assert_rounded_product(part, x, w)
         # the oneDNN twin, within a step (an output near 0 from cancellation may differ by its fp32 sums' rounding)
         torch.testing.assert_close(part, F.linear(x, w), atol=1e-4, rtol=2 ** -7)
     with pytest.raises(ValueError, match="pack_columns"):
         native.linear_columns(x, native.pack_rows(stacked), stacked.shape[0])
+
+
+def test_tiles_are_usable_where_the_cpu_has_amx_bf16():
+    """The library takes the AMX tile unit on a CPU that reports AMX-BF16 (the build enables it with -march=native
+    and the process asks the OS for the tile state), and never elsewhere."""
+    with open("/proc/cpuinfo") as f:
+        flags = {w for line in f if line.startswith("flags") for w in line.split()}
+    assert native.tiles_usable() == ({"amx_bf16", "amx_tile"} <= flags)
 
 
 def test_module_group_on_the_kernels_gives_each_modules_product():
@@ -184,12 +195,15 @@ def test_moe_matches_the_torch_dispatch(T):
     assert torch.equal(experts(x, routing), got_columns)
 
 
-@pytest.mark.parametrize("T", [40, 150])
+@pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("T", [5, 40, 150])
 @pytest.mark.parametrize("D, I", [(97, 33), (64, 128), (130, 70)])
-def test_column_packed_experts_match_the_torch_dispatch_at_odd_sizes(D, I, T):
+def test_column_packed_experts_match_the_torch_dispatch_at_odd_sizes(D, I, T, tiles):
     """The outer-product kernel over pack_columns: odd K (the last pair half padding), widths past and short of
     the 64-column blocks, and experts with more tokens than a register tile (6) and with none; at 150 tokens each
-    expert has ~60, past the count where its tiles run the whole K instead of chunks (TILED_TOKENS)."""
+    expert has ~60, past the count where its tiles run the whole K instead of chunks (TILED_TOKENS). With `tiles`,
+    experts of TILE_MIN_ROWS (4) tokens or more run on the AMX tile unit where the CPU has one: at 5 tokens some
+    experts have fewer, so one call mixes both forms."""
     E, k = 6, 2
     experts = _experts(E, D, I, T)
     g = torch.Generator().manual_seed(D)
@@ -200,7 +214,8 @@ def test_column_packed_experts_match_the_torch_dispatch_at_odd_sizes(D, I, T):
     assert [tuple(p.shape) for p in packed] == [native.column_packed_shape(w.shape)
                                                 for w in (experts.w1, experts.w3, experts.w2)]
     assert packed[0].shape[-4:] == (-(-I // 64), -(-D // 2), 64, 2)
-    got = native.moe_bf16(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2, packed=packed)
+    got = native.moe_bf16(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2, packed=packed,
+                          tiles=tiles)
     ref = experts(x, routing)
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=2 ** -6)
     assert (got == ref).float().mean() > 0.9

@@ -1,5 +1,6 @@
-"""The native CPU kernels (`native_src/`: products.c, attention.c, blocks.c, indexer.c, stack.c, common.h,
-kernels.h): built once per machine, loaded through ctypes.
+"""The native CPU kernels (`native_src/`: products.c, experts.c, tiles.c, attention.c, blocks.c, indexer.c, stack.c,
+common.h, kernels.h): built once per machine, loaded through ctypes. On CPUs with AMX-BF16 the column-packed products
+(linears above 4 rows, the routed and shared experts) run on the tile unit from 4 rows up (`tiles_usable`).
 
 The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
 into the cache folder (`envs.cache_dir()`), under a name that hashes the sources, the flags and the compiler, so
@@ -75,10 +76,12 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_linear_bf16.argtypes = [_I, _I, _I, _P, ctypes.c_int]
     lib.ds_linear_bf16.restype = None
     lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                ctypes.c_float, _P, _P, _P, _I, _P, _P, ctypes.c_int]
+                                ctypes.c_float, _P, _P, _P, _I, ctypes.c_int, _P, _P, ctypes.c_int]
     lib.ds_moe_bf16.restype = ctypes.c_int
-    lib.ds_linear_columns.argtypes = [_P, _I, _I, _I, _P, _I, _P, ctypes.c_int]
+    lib.ds_linear_columns.argtypes = [_P, _I, _I, _I, _P, _I, _P, ctypes.c_int, ctypes.c_int]
     lib.ds_linear_columns.restype = None
+    lib.ds_tiles_usable.argtypes = []
+    lib.ds_tiles_usable.restype = ctypes.c_int
     lib.ds_kda_step.argtypes = [_I, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P,
                                 _I, _P, _P, ctypes.c_int]
     lib.ds_kda_step.restype = None
@@ -110,6 +113,13 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_decode_stack.argtypes = [_P, _I, _I, _I, _P, _P, ctypes.c_int]
     lib.ds_decode_stack.restype = ctypes.c_int64
     return lib
+
+
+def tiles_usable() -> bool:
+    """The column-packed products can take the AMX tile unit: the CPU has AMX-BF16, the library was built for it
+    and the OS granted this process the tile state (native_src/tiles.c)."""
+    lib = native_library()
+    return lib is not None and bool(lib.ds_tiles_usable())
 
 
 def native_usable(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -200,9 +210,11 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Te
     return y
 
 
-def linear_columns(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Tensor:
+def linear_columns(x: torch.Tensor, packed: torch.Tensor, n_out: int, tiles: bool = True) -> torch.Tensor:
     """x [M, K] (bf16, contiguous rows) @ W^T for W [n_out, K] packed by `pack_columns`, any M; returns [M, n_out]
-    bf16, each output rounded once from its fp32 sum (native_src/experts.c ds_linear_columns)."""
+    bf16, each output rounded once from its fp32 sum (native_src/experts.c ds_linear_columns). With `tiles`, from
+    TILE_MIN_ROWS (native_src/kernels.h) rows on the AMX tile unit where the CPU has one (`tiles_usable`), the AVX512 pair products
+    otherwise: the same contract, another fp32 summation order (native_src/tiles.c)."""
     M, K = x.shape
     if not (_rows(x) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
             and tuple(packed.shape) == column_packed_shape((n_out, K))):
@@ -210,7 +222,7 @@ def linear_columns(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.T
     y = torch.empty(M, n_out, dtype=torch.bfloat16)
     if M:
         native_library().ds_linear_columns(x.data_ptr(), M, x.stride(0), K, packed.data_ptr(), n_out, y.data_ptr(),
-                                           torch.get_num_threads())
+                                           tiles, torch.get_num_threads())
     return y
 
 
@@ -277,7 +289,8 @@ def router_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: in
 def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
              w2: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              situ: tuple[float, float | None] | None = None,
-             shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+             shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
+             tiles: bool = True) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) with gated experts stacked as w1/w3 [E, I, D] and
     w2 [E, D, I] (bf16, contiguous); experts int64 [T, k], weights fp32 [T, k]. Returns bf16 [T, D]. With
     `packed` (`pack_rows` of w1, w3, w2: the dot-product tiles, or `pack_columns` of them: the outer-product
@@ -285,7 +298,8 @@ def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: 
     `situ` = (beta, linear_beta or None) (ops/activation.py). `shared` = (`pack_columns` of a shared MLP's gate
     [IS, D], up [IS, D] and down [D, IS] weights, IS), with column-packed experts only: every token also runs
     through that MLP in the same pass, and the result is the two outputs, each rounded to bf16, summed in bf16
-    (routed + shared, as the MoE block adds them)."""
+    (routed + shared, as the MoE block adds them). `tiles` as in `linear_columns`, for column-packed experts: an
+    expert with TILE_MIN_ROWS tokens or more runs on the AMX tile unit where the CPU has one."""
     T, D = x.shape
     E, I, _ = w1.shape
     if not (x.is_contiguous() and _rows(x) and w1.shape == w3.shape == (E, I, D) and w2.shape == (E, D, I)):
@@ -321,7 +335,7 @@ def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: 
                                        mats[0].data_ptr(), mats[1].data_ptr(), mats[2].data_ptr(), E, I,
                                        layout, situ is not None, situ[0] if situ else 0.0,
                                        float("nan") if situ is None or situ[1] is None else situ[1], *shared_ptrs,
-                                       IS, h.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                                       IS, tiles, h.data_ptr(), out.data_ptr(), torch.get_num_threads())
     if bad:
         raise ValueError(f"moe_bf16: expert ids must lie in [0, {E})")
     return out

@@ -96,7 +96,7 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
         if (!bad)
             bad = ds_moe_bf16(L > 0 ? xe : x, T, DE, experts, weights, k, (const bf16 *)desc[MB_W1],
                               (const bf16 *)desc[MB_W3], (const bf16 *)desc[MB_W2], E, I, 2, act, fdesc[MBF_BETA],
-                              fdesc[MBF_LIN_BETA], NULL, NULL, NULL, 0, hbuf, L > 0 ? ye : routed, nthreads);
+                              fdesc[MBF_LIN_BETA], NULL, NULL, NULL, 0, 1, hbuf, L > 0 ? ye : routed, nthreads);
         if (!bad && L > 0) {
             const bf16 *latent_out = ye;
             if (desc[MB_LATENT_NORM_W]) {
@@ -114,7 +114,7 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
         }
         ds_moe_bf16(x, T, D, experts, weights, 1, (const bf16 *)desc[MB_S1], (const bf16 *)desc[MB_S3],
                     (const bf16 *)desc[MB_S2], 1, IS, 1, act, fdesc[MBF_BETA], fdesc[MBF_LIN_BETA], NULL, NULL, NULL, 0,
-                    hbuf + (E > 0 ? T * k * I : 0), shared, nthreads);
+                    1, hbuf + (E > 0 ? T * k * I : 0), shared, nthreads);
         if (E > 0)
             residual_add(routed, shared, T * D, routed);
         else

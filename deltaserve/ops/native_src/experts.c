@@ -15,7 +15,11 @@
  * Weights stream once from DRAM: for an expert of up to TILED_TOKENS tokens a block is walked in chunks of K_CHUNK
  * pairs (8 KiB), and every token tile of the expert runs over a chunk while it sits in L1 (the tiles' sums wait in
  * an fp32 scratch between chunks), so the stream is consumed at an even rate and the prefetchers keep DRAM busy
- * during the multiplies; above it the multiplies dominate and each tile runs the whole block (block_product). */
+ * during the multiplies; above it the multiplies dominate and each tile runs the whole block (block_product).
+ *
+ * With `tiles` on and the AMX tile unit present (tiles.c), products of TILE_MIN_ROWS rows or more run there instead:
+ * an expert's input rows are gathered once into one strided matrix (xg) and its hidden rows are written in expert
+ * order (h + s * I), so both read as A tiles in place. */
 #include "kernels.h"
 
 #define COL_BLOCK 64    /* output columns per packed block */
@@ -169,13 +173,23 @@ static inline void add_shared_row(const bf16 *s, int64_t n, bf16 *out) {
  * phase 3: per token the weighted sum of its k outputs (plus the shared expert's). Phase 2 walked every expert
  * per block of D before (y one block wide): 32 KiB pieces of each expert's stream; 128 KiB pieces measured
  * 2-6% faster at 32-128 tokens (real routing), the same at 1-8. */
-void moe_columns(const bf16 *x, const bf16 *const *xrows, const bf16 *const *hrows, const int64_t *order,
-                 const int64_t *start, const int64_t *used, int64_t nused, int64_t T, int64_t D, int64_t k,
-                 const float *weights, const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t I,
-                 const shared_expert *sh, const glu_act *act, bf16 *h, bf16 *out, int nthreads) {
+void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, const int64_t *start,
+                 const int64_t *used, int64_t nused, int64_t T, int64_t D, int64_t k, const float *weights,
+                 const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t I, const shared_expert *sh,
+                 const glu_act *act, int tiles, bf16 *h, bf16 *out, int nthreads) {
     int64_t s13 = column_packed_size(I, D), s2 = column_packed_size(D, I), P = T * k, mmax = sh ? T : 0;
     for (int64_t u = 0; u < nused; u++)
         if (start[used[u] + 1] - start[used[u]] > mmax) mmax = start[used[u] + 1] - start[used[u]];
+    /* the pairs' hidden rows in expert order (h + s * I for grouped pair s): each expert's rows are one strided
+     * matrix, as the tile unit reads them; with tiles on, the pairs' input rows are gathered so too (xg) */
+    const bf16 **hrows = malloc(sizeof(bf16 *) * (size_t)P);
+    for (int64_t s = 0; s < P; s++) hrows[s] = h + s * I;
+    tiles = tiles && mmax >= TILE_MIN_ROWS && ds_tiles_usable();
+    bf16 *xg = tiles ? malloc(sizeof(bf16) * (size_t)(P * D)) : NULL;
+    if (tiles) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t s = 0; s < P; s++) memcpy(xg + s * D, xrows[s], sizeof(bf16) * (size_t)D);
+    }
     int64_t iblocks = (I + COL_BLOCK - 1) / COL_BLOCK, dblocks = (D + COL_BLOCK - 1) / COL_BLOCK;
     int64_t dgroups = (dblocks + DOWN_GROUP - 1) / DOWN_GROUP;
     /* every pair's expert output, rounded, then (with a shared expert) every token's shared output */
@@ -202,11 +216,18 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const bf16 *const *hro
             int64_t e = shared ? 0 : used[plan[i] / iblocks], s0 = shared ? 0 : start[e];
             int64_t m = shared ? T : start[e + 1] - s0, width = shared ? IS : I;
             int64_t n0 = b * COL_BLOCK, n = width - n0 < COL_BLOCK ? width - n0 : COL_BLOCK;
-            const bf16 *const *rows = shared ? sx : xrows + s0;
-            block_product(rows, m, shared ? sh->w1 : w1 + e * s13, b, D, g);
-            block_product(rows, m, shared ? sh->w3 : w3 + e * s13, b, D, u);
+            const bf16 *gw = shared ? sh->w1 : w1 + e * s13, *uw = shared ? sh->w3 : w3 + e * s13;
+            if (tiles && m >= TILE_MIN_ROWS) {
+                const bf16 *rows = shared ? x : xg + s0 * D;
+                tile_block_product(rows, D, m, gw, b, D, g);
+                tile_block_product(rows, D, m, uw, b, D, u);
+            } else {
+                const bf16 *const *rows = shared ? sx : xrows + s0;
+                block_product(rows, m, gw, b, D, g);
+                block_product(rows, m, uw, b, D, u);
+            }
             for (int64_t r = 0; r < m; r++) {
-                bf16 *hr = shared ? hs + r * IS : h + order[s0 + r] * I;
+                bf16 *hr = shared ? hs + r * IS : h + (s0 + r) * I;
                 for (int64_t c = 0; c < n; c += BLOCK_ROWS)
                     glu_block(g + r * COL_BLOCK + c, u + r * COL_BLOCK + c, n - c < BLOCK_ROWS ? n - c : BLOCK_ROWS,
                               act, hr + n0 + c);
@@ -221,8 +242,11 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const bf16 *const *hro
             int64_t b1 = (i % dgroups + 1) * DOWN_GROUP < dblocks ? (i % dgroups + 1) * DOWN_GROUP : dblocks;
             for (int64_t b = i % dgroups * DOWN_GROUP; b < b1; b++) {
                 int64_t n0 = b * COL_BLOCK, n = D - n0 < COL_BLOCK ? D - n0 : COL_BLOCK;
-                block_product(shared ? shrows : hrows + s0, m, shared ? sh->w2 : w2 + e * s2, b, shared ? IS : I,
-                              g);
+                const bf16 *dw = shared ? sh->w2 : w2 + e * s2;
+                if (tiles && m >= TILE_MIN_ROWS)
+                    tile_block_product(shared ? hs : h + s0 * I, shared ? IS : I, m, dw, b, shared ? IS : I, g);
+                else
+                    block_product(shared ? shrows : hrows + s0, m, dw, b, shared ? IS : I, g);
                 for (int64_t r = 0; r < m; r++)
                     round_row(g + r * COL_BLOCK, n, (shared ? ys + r * D : y + order[s0 + r] * D) + n0);
             }
@@ -240,6 +264,8 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const bf16 *const *hro
     free(sx);
     free(hs);
     free(plan);
+    free(hrows);
+    free(xg);
 }
 
 /* out [M, N] = rows of x [M, K] (row stride ldx) times a column-packed [N, K] matrix w, each output rounded to
@@ -249,17 +275,21 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const bf16 *const *hro
  * weights cold (oneDNN -> this): 128 rows x 3336 x 1024 2.32 -> 2.13 ms, 1024 x 1024 0.81 -> 0.66, 1024 x 128
  * 0.29 -> 0.15; 32 rows 0.80 -> 0.59, 0.32 -> 0.21, 0.15 -> 0.06; 512 rows the same; 2,048 rows 2-4% slower. */
 void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *w, int64_t N, bf16 *out,
-                       int nthreads) {
+                       int tiles, int nthreads) {
     const bf16 **rows = malloc(sizeof(bf16 *) * (size_t)M);
     for (int64_t i = 0; i < M; i++) rows[i] = x + i * ldx;
     int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
+    tiles = tiles && M >= TILE_MIN_ROWS && ds_tiles_usable();
 #pragma omp parallel num_threads(nthreads)
     {
         float *acc = malloc(sizeof(float) * (size_t)(M * COL_BLOCK));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t n0 = b * COL_BLOCK, n = N - n0 < COL_BLOCK ? N - n0 : COL_BLOCK;
-            block_product(rows, M, w, b, K, acc);
+            if (tiles)
+                tile_block_product(x, ldx, M, w, b, K, acc);
+            else
+                block_product(rows, M, w, b, K, acc);
             for (int64_t i = 0; i < M; i++) round_row(acc + i * COL_BLOCK, n, out + i * N + n0);
         }
         free(acc);

@@ -7,21 +7,27 @@
 void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const int64_t *desc, int nthreads);
 int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
                 const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind,
-                float beta, float lin_beta, const bf16 *s1, const bf16 *s3, const bf16 *s2, int64_t IS, bf16 *h,
-                bf16 *out, int nthreads);
+                float beta, float lin_beta, const bf16 *s1, const bf16 *s3, const bf16 *s2, int64_t IS, int tiles,
+                bf16 *h, bf16 *out, int nthreads);
 /* A shared expert beside column-packed routed ones: w1/w3 [IS, D] and w2 [D, IS], column-packed. */
 typedef struct {
     const bf16 *w1, *w3, *w2;
     int64_t I;
 } shared_expert;
 /* experts.c: ds_moe_bf16's outer-product form over column-packed experts (packed 2), after the grouping. */
-void moe_columns(const bf16 *x, const bf16 *const *xrows, const bf16 *const *hrows, const int64_t *order,
-                 const int64_t *start, const int64_t *used, int64_t nused, int64_t T, int64_t D, int64_t k,
-                 const float *weights, const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t I,
-                 const shared_expert *sh, const glu_act *act, bf16 *h, bf16 *out, int nthreads);
+void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, const int64_t *start,
+                 const int64_t *used, int64_t nused, int64_t T, int64_t D, int64_t k, const float *weights,
+                 const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t I, const shared_expert *sh,
+                 const glu_act *act, int tiles, bf16 *h, bf16 *out, int nthreads);
 /* experts.c: a plain product over a column-packed weight (ops/native.py linear_columns). */
 void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *w, int64_t N, bf16 *out,
-                       int nthreads);
+                       int tiles, int nthreads);
+/* tiles.c: products of TILE_MIN_ROWS rows and more take the AMX tile unit where the CPU and the OS give it (the
+ * callers' `tiles` argument 1), the AVX512-BF16 pair products otherwise. tile_block_product is experts.c's
+ * block_product for rows at a stride: acc [m][64] = x [m] (stride ldx, K bf16) times block b of column-packed w. */
+#define TILE_MIN_ROWS 4
+int ds_tiles_usable(void);
+void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, int64_t b, int64_t K, float *acc);
 void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf16 *w, float eps, bf16 *out,
                      int nthreads);
 void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,

@@ -98,8 +98,8 @@ static void moe_rows(const bf16 *const *xrows, const bf16 *const *hrows, const i
  * Returns 0, -1 (nothing computed) for an id outside [0, E), or -2 for a shared expert without packed 2. */
 int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
                 const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind,
-                float beta, float lin_beta, const bf16 *s1, const bf16 *s3, const bf16 *s2, int64_t IS, bf16 *h,
-                bf16 *out, int nthreads) {
+                float beta, float lin_beta, const bf16 *s1, const bf16 *s3, const bf16 *s2, int64_t IS, int tiles,
+                bf16 *h, bf16 *out, int nthreads) {
     glu_act actv = {act_kind, !isnan(lin_beta), beta, lin_beta}, *act = &actv;
     shared_expert shared = {s1, s3, s2, IS};
     int64_t P = T * k;
@@ -122,8 +122,8 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
         hrows[s] = h + order[s] * I;
     }
     if (packed == 2)
-        moe_columns(x, xrows, hrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I,
-                    IS > 0 ? &shared : NULL, act, h, out, nthreads);
+        moe_columns(x, xrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I, IS > 0 ? &shared : NULL,
+                    act, tiles, h, out, nthreads);
     else
         moe_rows(xrows, hrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I, packed, act, h, out,
                  nthreads);

@@ -1,0 +1,134 @@
+/* AMX tile products over column-packed weights: the block product of experts.c on the matrix units.
+ *
+ * Why (issue 10): on CPUs with AMX-BF16 (Sapphire Rapids and later) one TDPBF16PS multiplies a 16 x 32 bf16 tile
+ * of inputs by a 32 x 16 tile of weights into 16 x 16 fp32 sums, 16x the multiply rate of the AVX512-BF16 pair
+ * products the outer-product kernel runs; prefill and batched decode are compute-bound there.
+ *
+ * Layout: pack_columns' blocks are [ceil(K/2)][64][2], so 16 consecutive pairs of one block's 16 columns are a
+ * 16-row tile at a row stride of 256 bytes: the weights load as B tiles in place, no repacking. Inputs are rows at
+ * a stride (A tiles: 16 rows x 32 bf16 of K). K past its last whole group of 32 runs the AVX512 pair products.
+ *
+ * Rounding: the tile unit sums each 16 x 32 group in its own order (not the pair-by-pair order of the AVX512
+ * kernel), so results agree with it to fp32 accumulation accuracy, not bit for bit; tests/test_native.py holds
+ * both to the exact product. A product takes one form or the other by its row count alone (TILE_MIN_ROWS).
+ */
+#include "kernels.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TILE_COLS 16    /* fp32 columns of a C tile; a 64-column block is 4 of them */
+#define TILE_PAIRS 16   /* k pairs of an A / B tile: 32 bf16 of K */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The kernel hands out the 8 KiB tile state only on request, once per process (Linux 5.16+). The answer is a fact
+ * of the process, cached here: 1 granted, -1 refused, 0 not asked yet. */
+static int tile_permission;
+
+int ds_tiles_usable(void) {
+    int state = __atomic_load_n(&tile_permission, __ATOMIC_ACQUIRE);
+    if (state == 0) {
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&tile_permission, state, __ATOMIC_RELEASE);
+    }
+    return state > 0;
+}
+
+/* Palette 1: tiles 0-3 the sums of `rows` rows x 64 columns, 4 the inputs, 5 and 6 the weights. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* LDTILECFG with the whole 64-byte record as its memory operand: gcc 12's _tile_loadconfig names only its first 8
+ * bytes, so at -O2 the compiler may drop the stores of the rest (a #GP at run time). */
+static inline void load_config(const tile_config *cfg) { __asm__ volatile("ldtilecfg %0" ::"m"(*cfg)); }
+
+/* The tile loads and stores are asm statements without memory operands: this orders them against plain C
+ * accesses of the same memory (the sums the tail reads, the rows other code wrote). */
+static inline void memory_barrier(void) { __asm__ volatile("" ::: "memory"); }
+
+static void configure(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        cfg.rows[t] = (uint8_t)rows;
+        cfg.colsb[t] = 64;
+    }
+    for (int t = 5; t < 7; t++) {
+        cfg.rows[t] = TILE_PAIRS;
+        cfg.colsb[t] = 64;
+    }
+    load_config(&cfg);
+}
+
+#ifndef TILE_PREFETCH
+#define TILE_PREFETCH 8192
+#endif
+/* acc [rows][64] = x rows [rows] (stride ldx) times the block's pairs [0, 16 * groups), rows <= 16. With `stream`
+ * (the block's first pass, from DRAM) the weights TILE_PREFETCH bytes ahead are asked into L2. */
+static inline void tile_rows(const bf16 *x, int64_t ldx, int64_t groups, const bf16 *wb, int stream, float *acc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t g = 0; g < groups; g++) {
+        const bf16 *wg = wb + g * TILE_PAIRS * 2 * 64;
+        if (TILE_PREFETCH && stream)
+            for (int l = 0; l < TILE_PAIRS * 4; l++)
+                _mm_prefetch((const char *)wg + TILE_PREFETCH + 64 * l, _MM_HINT_T1);
+        _tile_loadd(4, x + g * 2 * TILE_PAIRS, ldx * (int64_t)sizeof(bf16));
+        _tile_loadd(5, wg, 256);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, wg + 32, 256);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, wg + 64, 256);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, wg + 96, 256);
+        _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, acc, 64 * sizeof(float));
+    _tile_stored(1, acc + 16, 64 * sizeof(float));
+    _tile_stored(2, acc + 32, 64 * sizeof(float));
+    _tile_stored(3, acc + 48, 64 * sizeof(float));
+    memory_barrier();
+}
+
+void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, int64_t b, int64_t K, float *acc) {
+    int64_t pairs = (K + 1) / 2, groups = K / (2 * TILE_PAIRS);
+    const bf16 *wb = w + b * 64 * 2 * pairs;
+    int configured = 0;
+    memory_barrier();
+    for (int64_t i0 = 0; i0 < m; i0 += 16) {
+        int rows = m - i0 < 16 ? (int)(m - i0) : 16;
+        if (rows != configured) {
+            configure(rows);
+            configured = rows;
+        }
+        tile_rows(x + i0 * ldx, ldx, groups, wb, i0 == 0, acc + i0 * 64);
+    }
+    for (int64_t i = 0; i < m; i++) { /* the pairs past the last whole group: AVX512-BF16 pair products */
+        const bf16 *xi = x + i * ldx;
+        __m512 a[4];
+        for (int j = 0; j < 4; j++) a[j] = _mm512_loadu_ps(acc + i * 64 + 16 * j);
+        for (int64_t p = groups * TILE_PAIRS; p < pairs; p++) {
+            uint32_t lo = xi[2 * p], hi = 2 * p + 1 < K ? xi[2 * p + 1] : 0;
+            __m512i xb = _mm512_set1_epi32((int32_t)(lo | hi << 16));
+            for (int j = 0; j < 4; j++)
+                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)xb, (__m512bh)_mm512_loadu_si512(wb + p * 128 + 32 * j));
+        }
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + i * 64 + 16 * j, a[j]);
+    }
+}
+#else
+int ds_tiles_usable(void) { return 0; }
+
+void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, int64_t b, int64_t K, float *acc) {
+    (void)x, (void)ldx, (void)m, (void)w, (void)b, (void)K, (void)acc;
+    abort(); /* callers ask ds_tiles_usable() first */
+}
+#endif
