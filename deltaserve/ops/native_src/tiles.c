@@ -8,6 +8,9 @@
  * 16-row tile at a row stride of 256 bytes: the weights load as B tiles in place, no repacking. Inputs are rows at
  * a stride (A tiles: 16 rows x 32 bf16 of K). K past its last whole group of 32 runs the AVX512 pair products.
  *
+ * Each call loads its own tile configuration; oneDNN's AMX kernels, which share these threads, configure lazily by
+ * reading the current configuration back (sttilecfg) and comparing, so neither runs on the other's.
+ *
  * Rounding: the tile unit sums each 16 x 32 group in its own order (not the pair-by-pair order of the AVX512
  * kernel), so results agree with it to fp32 accumulation accuracy, not bit for bit; tests/test_native.py holds
  * both to the exact product. A product takes one form or the other by its row count alone (TILE_MIN_ROWS).
