@@ -114,7 +114,7 @@ void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, in
         }
         tile_rows(x + i0 * ldx, ldx, groups, wb, i0 == 0, acc + i0 * 64);
     }
-    for (int64_t i = 0; i < m; i++) { /* the pairs past the last whole group: AVX512-BF16 pair products */
+    for (int64_t i = 0; groups * TILE_PAIRS < pairs && i < m; i++) { /* pairs past the last whole group: AVX512 */
         const bf16 *xi = x + i * ldx;
         __m512 a[4];
         for (int j = 0; j < 4; j++) a[j] = _mm512_loadu_ps(acc + i * 64 + 16 * j);
