@@ -29,6 +29,7 @@ def _bench(tmp_path, name: str, *argv: str) -> dict:
         assert png.stat().st_size > 1000
     payload = json.loads(out.read_text())
     assert payload["bench"] == name and payload["machine"]["torch_threads"] >= 1
+    assert isinstance(payload["machine"]["amx_tiles"], bool)
     return payload
 
 

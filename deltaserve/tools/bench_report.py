@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..ops.native import tiles_usable
+
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -86,7 +88,8 @@ def machine_info() -> dict:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version()}
+            "torch": torch.__version__, "python": platform.python_version(),
+            "amx_tiles": tiles_usable()}  # whether the column-packed products ran on the tile unit
 
 
 def write_json(path: str | Path, payload: dict) -> None:
