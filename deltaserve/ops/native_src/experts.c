@@ -273,7 +273,8 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, 
  * linears ran oneDNN's packed product, which read a weight evicted by the experts' stream before multiplying; here
  * each 64-column block streams under its first tile's multiplies (block_product). One process on the 2-core EPYC,
  * weights cold (oneDNN -> this): 128 rows x 3336 x 1024 2.32 -> 2.13 ms, 1024 x 1024 0.81 -> 0.66, 1024 x 128
- * 0.29 -> 0.15; 32 rows 0.80 -> 0.59, 0.32 -> 0.21, 0.15 -> 0.06; 512 rows the same; 2,048 rows 2-4% slower. */
+ * 0.29 -> 0.15; 32 rows 0.80 -> 0.59, 0.32 -> 0.21, 0.15 -> 0.06; 512 rows the same; 2,048 rows 2-4% slower.
+ * With `tiles` and TILE_MIN_ROWS rows or more, the blocks run on the AMX tile unit where there is one (tiles.c). */
 void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *w, int64_t N, bf16 *out,
                        int tiles, int nthreads) {
     const bf16 **rows = malloc(sizeof(bf16 *) * (size_t)M);

@@ -94,7 +94,8 @@ static void moe_rows(const bf16 *const *xrows, const bf16 *const *hrows, const i
  * gate, up, silu(gate), the GLU product and each expert's output are bf16; the combine is fp32, rounded once.
  * A dense MLP is the case E = 1, k = 1, weight 1. With IS > 0 (column-packed experts only) a shared expert of
  * width IS, column-packed s1/s3 [IS, D] and s2 [D, IS], runs over every token and out is bf16(routed + shared),
- * each rounded to bf16 first (the MoE block's sum), in the same pass over the weights (experts.c).
+ * each rounded to bf16 first (the MoE block's sum), in the same pass over the weights (experts.c). With `tiles`,
+ * column-packed experts of TILE_MIN_ROWS tokens or more run on the AMX tile unit where there is one (tiles.c).
  * Returns 0, -1 (nothing computed) for an id outside [0, E), or -2 for a shared expert without packed 2. */
 int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
                 const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind,
