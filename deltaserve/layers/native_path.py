@@ -4,7 +4,7 @@
 kernels have built. Linears take the 4-row dot tiles up to `LINEAR_MAX_ROWS` rows and the column-packed product
 above (`ops/native.py` linear_columns: faster than oneDNN's packed product from 5 to ~512 rows on the 2-core
 EPYC, within 2-4% of it at 2,048, so one packed copy serves every size; on the 2-core Xeon with AMX it runs on the
-tile unit, level with oneDNN's AMX product from 32 to 512 rows and 15-35% behind it at 2,048, 5x the AVX512 pair
+tile unit, level with oneDNN's AMX product from 32 to 512 rows and 15-36% behind it at 2,048, 5x the AVX512 pair
 products at 128); dense MLPs take the fused expert kernel up
 to `MLP_MAX_ROWS` tokens and their linears above. Routed experts take the fused kernel at every size: each expert
 sees only a share of the tokens, and one call over all of them beat the per-expert oneDNN dispatch from 1 token

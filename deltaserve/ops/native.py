@@ -213,8 +213,8 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Te
 def linear_columns(x: torch.Tensor, packed: torch.Tensor, n_out: int, tiles: bool = True) -> torch.Tensor:
     """x [M, K] (bf16, contiguous rows) @ W^T for W [n_out, K] packed by `pack_columns`, any M; returns [M, n_out]
     bf16, each output rounded once from its fp32 sum (native_src/experts.c ds_linear_columns). With `tiles`, from
-    TILE_MIN_ROWS (native_src/kernels.h) rows on the AMX tile unit where the CPU has one (`tiles_usable`), the AVX512 pair products
-    otherwise: the same contract, another fp32 summation order (native_src/tiles.c)."""
+    TILE_MIN_ROWS (native_src/kernels.h) rows on the AMX tile unit where the CPU has one (`tiles_usable`), the
+    AVX512 pair products otherwise: the same contract, another fp32 summation order (native_src/tiles.c)."""
     M, K = x.shape
     if not (_rows(x) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
             and tuple(packed.shape) == column_packed_shape((n_out, K))):

@@ -114,6 +114,21 @@ static void block_product(const bf16 *const *x, int64_t m, const bf16 *w, int64_
     }
 }
 
+/* block_product for rows that are also one matrix at a stride (x, ld): with `tiles` and TILE_MIN_ROWS rows or more,
+ * K's whole groups of 32 run on the tile unit (tiles.c) and the pairs past them on the pair products here. */
+static void rows_product(const bf16 *const *rows, const bf16 *x, int64_t ld, int64_t m, const bf16 *w, int64_t b,
+                         int64_t K, int tiles, float *acc) {
+    if (!tiles || m < TILE_MIN_ROWS) {
+        block_product(rows, m, w, b, K, acc);
+        return;
+    }
+    tile_block_product(x, ld, m, w, b, K, acc);
+    int64_t p0 = K / 32 * 16;
+    for (int64_t i0 = 0; p0 < pairs_of(K) && i0 < m; i0 += MAX_T)
+        outer_tile(rows + i0, m - i0 < MAX_T ? (int)(m - i0) : MAX_T, w + b * COL_BLOCK * 2 * pairs_of(K), p0,
+                   pairs_of(K), K, acc + i0 * COL_BLOCK);
+}
+
 /* dst[c] = bf16(src[c]) for the n <= COL_BLOCK columns of an expert's output row. */
 static inline void round_row(const float *src, int64_t n, bf16 *dst) {
     int64_t c = 0;
@@ -216,16 +231,9 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, 
             int64_t e = shared ? 0 : used[plan[i] / iblocks], s0 = shared ? 0 : start[e];
             int64_t m = shared ? T : start[e + 1] - s0, width = shared ? IS : I;
             int64_t n0 = b * COL_BLOCK, n = width - n0 < COL_BLOCK ? width - n0 : COL_BLOCK;
-            const bf16 *gw = shared ? sh->w1 : w1 + e * s13, *uw = shared ? sh->w3 : w3 + e * s13;
-            if (tiles && m >= TILE_MIN_ROWS) {
-                const bf16 *rows = shared ? x : xg + s0 * D;
-                tile_block_product(rows, D, m, gw, b, D, g);
-                tile_block_product(rows, D, m, uw, b, D, u);
-            } else {
-                const bf16 *const *rows = shared ? sx : xrows + s0;
-                block_product(rows, m, gw, b, D, g);
-                block_product(rows, m, uw, b, D, u);
-            }
+            const bf16 *const *rows = shared ? sx : xrows + s0, *xe = shared ? x : tiles ? xg + s0 * D : NULL;
+            rows_product(rows, xe, D, m, shared ? sh->w1 : w1 + e * s13, b, D, tiles, g);
+            rows_product(rows, xe, D, m, shared ? sh->w3 : w3 + e * s13, b, D, tiles, u);
             for (int64_t r = 0; r < m; r++) {
                 bf16 *hr = shared ? hs + r * IS : h + (s0 + r) * I;
                 for (int64_t c = 0; c < n; c += BLOCK_ROWS)
@@ -242,11 +250,8 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, 
             int64_t b1 = (i % dgroups + 1) * DOWN_GROUP < dblocks ? (i % dgroups + 1) * DOWN_GROUP : dblocks;
             for (int64_t b = i % dgroups * DOWN_GROUP; b < b1; b++) {
                 int64_t n0 = b * COL_BLOCK, n = D - n0 < COL_BLOCK ? D - n0 : COL_BLOCK;
-                const bf16 *dw = shared ? sh->w2 : w2 + e * s2;
-                if (tiles && m >= TILE_MIN_ROWS)
-                    tile_block_product(shared ? hs : h + s0 * I, shared ? IS : I, m, dw, b, shared ? IS : I, g);
-                else
-                    block_product(shared ? shrows : hrows + s0, m, dw, b, shared ? IS : I, g);
+                rows_product(shared ? shrows : hrows + s0, shared ? hs : h + s0 * I, shared ? IS : I, m,
+                             shared ? sh->w2 : w2 + e * s2, b, shared ? IS : I, tiles, g);
                 for (int64_t r = 0; r < m; r++)
                     round_row(g + r * COL_BLOCK, n, (shared ? ys + r * D : y + order[s0 + r] * D) + n0);
             }
@@ -280,17 +285,14 @@ void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const b
     const bf16 **rows = malloc(sizeof(bf16 *) * (size_t)M);
     for (int64_t i = 0; i < M; i++) rows[i] = x + i * ldx;
     int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
-    tiles = tiles && M >= TILE_MIN_ROWS && ds_tiles_usable();
+    tiles = tiles && ds_tiles_usable();
 #pragma omp parallel num_threads(nthreads)
     {
         float *acc = malloc(sizeof(float) * (size_t)(M * COL_BLOCK));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t n0 = b * COL_BLOCK, n = N - n0 < COL_BLOCK ? N - n0 : COL_BLOCK;
-            if (tiles)
-                tile_block_product(x, ldx, M, w, b, K, acc);
-            else
-                block_product(rows, M, w, b, K, acc);
+            rows_product(rows, x, ldx, M, w, b, K, tiles, acc);
             for (int64_t i = 0; i < M; i++) round_row(acc + i * COL_BLOCK, n, out + i * N + n0);
         }
         free(acc);

@@ -24,7 +24,8 @@ void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const b
                        int tiles, int nthreads);
 /* tiles.c: products of TILE_MIN_ROWS rows and more take the AMX tile unit where the CPU and the OS give it (the
  * callers' `tiles` argument 1), the AVX512-BF16 pair products otherwise. tile_block_product is experts.c's
- * block_product for rows at a stride: acc [m][64] = x [m] (stride ldx, K bf16) times block b of column-packed w. */
+ * block_product for rows at a stride over K's whole groups of 32: acc [m][64] = x [m] (stride ldx) times block b
+ * of column-packed w [N, K], pairs [0, 16 (K / 32)) only; experts.c adds the pairs past them. */
 #define TILE_MIN_ROWS 4
 int ds_tiles_usable(void);
 void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, int64_t b, int64_t K, float *acc);

@@ -117,10 +117,12 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
     int64_t *used = malloc(sizeof(int64_t) * (size_t)E), nused = 0;
     for (int64_t e = 0; e < E; e++)
         if (start[e + 1] > start[e]) used[nused++] = e;
-    const bf16 **xrows = malloc(sizeof(bf16 *) * (size_t)P), **hrows = malloc(sizeof(bf16 *) * (size_t)P);
+    /* the pairs' input rows in grouped order; moe_rows also takes their hidden rows (moe_columns lays out its own) */
+    const bf16 **xrows = malloc(sizeof(bf16 *) * (size_t)P);
+    const bf16 **hrows = packed == 2 ? NULL : malloc(sizeof(bf16 *) * (size_t)P);
     for (int64_t s = 0; s < P; s++) {
         xrows[s] = x + (order[s] / k) * D;
-        hrows[s] = h + order[s] * I;
+        if (hrows) hrows[s] = h + order[s] * I;
     }
     if (packed == 2)
         moe_columns(x, xrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I, IS > 0 ? &shared : NULL,

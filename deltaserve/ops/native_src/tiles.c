@@ -6,7 +6,8 @@
  *
  * Layout: pack_columns' blocks are [ceil(K/2)][64][2], so 16 consecutive pairs of one block's 16 columns are a
  * 16-row tile at a row stride of 256 bytes: the weights load as B tiles in place, no repacking. Inputs are rows at
- * a stride (A tiles: 16 rows x 32 bf16 of K). K past its last whole group of 32 runs the AVX512 pair products.
+ * a stride (A tiles: 16 rows x 32 bf16 of K). K past its last whole group of 32 is left to the caller (experts.c
+ * runs those pairs on the AVX512 pair products).
  *
  * Each call loads its own tile configuration; oneDNN's AMX kernels, which share these threads, configure lazily by
  * reading the current configuration back (sttilecfg) and comparing, so neither runs on the other's.
@@ -20,7 +21,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define TILE_COLS 16    /* fp32 columns of a C tile; a 64-column block is 4 of them */
 #define TILE_PAIRS 16   /* k pairs of an A / B tile: 32 bf16 of K */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -102,8 +102,8 @@ static inline void tile_rows(const bf16 *x, int64_t ldx, int64_t groups, const b
 }
 
 void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, int64_t b, int64_t K, float *acc) {
-    int64_t pairs = (K + 1) / 2, groups = K / (2 * TILE_PAIRS);
-    const bf16 *wb = w + b * 64 * 2 * pairs;
+    int64_t groups = K / (2 * TILE_PAIRS);
+    const bf16 *wb = w + b * 64 * 2 * ((K + 1) / 2);
     int configured = 0;
     memory_barrier();
     for (int64_t i0 = 0; i0 < m; i0 += 16) {
@@ -113,18 +113,6 @@ void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, in
             configured = rows;
         }
         tile_rows(x + i0 * ldx, ldx, groups, wb, i0 == 0, acc + i0 * 64);
-    }
-    for (int64_t i = 0; groups * TILE_PAIRS < pairs && i < m; i++) { /* pairs past the last whole group: AVX512 */
-        const bf16 *xi = x + i * ldx;
-        __m512 a[4];
-        for (int j = 0; j < 4; j++) a[j] = _mm512_loadu_ps(acc + i * 64 + 16 * j);
-        for (int64_t p = groups * TILE_PAIRS; p < pairs; p++) {
-            uint32_t lo = xi[2 * p], hi = 2 * p + 1 < K ? xi[2 * p + 1] : 0;
-            __m512i xb = _mm512_set1_epi32((int32_t)(lo | hi << 16));
-            for (int j = 0; j < 4; j++)
-                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)xb, (__m512bh)_mm512_loadu_si512(wb + p * 128 + 32 * j));
-        }
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + i * 64 + 16 * j, a[j]);
     }
 }
 #else
