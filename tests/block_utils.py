@@ -22,12 +22,12 @@ def native_model(path):
     return model
 
 
-def twin_caches(model, seed: int, pages_per_sequence: int = 1) -> list[PagedCache]:
-    """Two caches with the same random KDA states, latent pages and index keys (room for 4 sequences of 16 tokens
-    a page)."""
+def twin_caches(model, seed: int, pages_per_sequence: int = 1, sequences: int = 4) -> list[PagedCache]:
+    """Two caches with the same random KDA states, latent pages and index keys (room for `sequences` sequences of
+    16 tokens a page)."""
     g = torch.Generator().manual_seed(seed)
-    caches = [PagedCache(PagePool(model.config, 4 * pages_per_sequence, 16, torch.bfloat16),
-                         StateSlots(model.config, 5)) for _ in "ab"]
+    caches = [PagedCache(PagePool(model.config, sequences * pages_per_sequence, 16, torch.bfloat16),
+                         StateSlots(model.config, sequences + 1)) for _ in "ab"]
     pools = [(c.states.conv, c.states.recurrent, *(c.pages.latent_rows(l) for l in c.pages.latent),
               *(c.pages.key_rows(l)[0] for l in c.pages.index_keys)) for c in caches]
     for first, second in zip(*pools):

@@ -11,6 +11,7 @@ from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.paged_cache import PagedCache, SeqHandle
 from deltaserve.cache.state_slots import StateSlots
 from deltaserve.layers.batch import StepBatch
+from deltaserve.layers import fused_attention, fused_blocks
 from deltaserve.layers.fused_blocks import attention_block, ffn_block
 from deltaserve.layers.kda import KimiDeltaAttention
 from deltaserve.layers.moe import MoE, Router
@@ -36,14 +37,39 @@ def test_blocks_equal_the_modules_bit_for_bit(make_checkpoint, preset, slots):
     """Each layer's blocks against its modules on the same input and states, three steps running (conv windows
     and recurrent states carried; the states after each step must agree too), with the three residual forms: the
     input itself (plain layers), another tensor and none (K3's AttnRes layers)."""
-    model = native_model(make_checkpoint(preset))
+    _blocks_against_modules(native_model(make_checkpoint(preset)), slots)
+
+
+@pytest.mark.parametrize("slots", [[5, 0, 3, 1, 2], [8, 2, 0, 7, 1, 5, 3, 4, 6], list(range(17, -1, -1))])
+def test_wide_blocks_equal_the_modules_bit_for_bit(make_checkpoint, slots):
+    """Decode steps of 5, 9 and 18 sequences (past the dot tiles' 4 rows and the MLP's 8: the column packs, on the
+    tile unit where there is one; 16 rows and more fill a whole tile) through kimi-linear-tiny's KDA, MLA and FFN
+    blocks, against the modules as above."""
+    _blocks_against_modules(native_model(make_checkpoint("kimi-linear-tiny")), slots)
+
+
+@pytest.mark.parametrize("rows", [9, 40, 130])
+def test_ffn_block_takes_prefill_rows_as_the_modules(make_checkpoint, rows):
+    """The FFN block has no decode-only condition: a prefill chunk's rows (up to BLOCK_MAX_ROWS) give the modules'
+    output bit for bit, dense MLP and MoE layers alike."""
+    model = native_model(make_checkpoint("kimi-linear-tiny"))
+    g = torch.Generator().manual_seed(rows)
+    with torch.inference_mode():
+        for layer in model.layers:
+            x = torch.randn(rows, model.config.hidden_size, generator=g).to(torch.bfloat16)
+            got = ffn_block(layer, x, x)
+            assert got is not None and torch.equal(got, x + layer.ffn(layer.post_attention_layernorm(x)))
+
+
+def _blocks_against_modules(model, slots: list[int]) -> None:
     g = torch.Generator().manual_seed(len(slots))
-    fused_cache, module_cache = twin_caches(model, len(slots))
+    pages = (4 + 2 + len(slots)) // 16 + 1  # sequence i decodes at positions 4 + i .. 6 + i
+    fused_cache, module_cache = twin_caches(model, len(slots), pages, sequences=max(4, len(slots)))
     fused_attention = fused_ffn = 0
     with torch.inference_mode():
         for step in range(3):
-            fused_batch = decode_batch(fused_cache, slots, 4 + step, model.config)
-            module_batch = decode_batch(module_cache, slots, 4 + step, model.config)
+            fused_batch = decode_batch(fused_cache, slots, 4 + step, model.config, pages)
+            module_batch = decode_batch(module_cache, slots, 4 + step, model.config, pages)
             for layer in model.layers:
                 x = torch.randn(len(slots), model.config.hidden_size, generator=g).to(torch.bfloat16)
                 residual = [x, torch.randn(x.shape, generator=g).to(torch.bfloat16), None][step]
@@ -131,7 +157,9 @@ def test_dsa_block_selects_past_the_top_k(make_checkpoint, preset, position):
     assert blocks > 0
 
 
-def test_blocks_step_aside_where_they_do_not_apply(make_checkpoint):
+def test_blocks_step_aside_where_they_do_not_apply(make_checkpoint, monkeypatch):
+    monkeypatch.setattr(fused_attention, "BLOCK_MAX_ROWS", 4)  # read when a layer's plans are gathered
+    monkeypatch.setattr(fused_blocks, "BLOCK_MAX_ROWS", 8)
     model = native_model(make_checkpoint("kimi-linear-tiny"))
     layer = next(l for l in model.layers if isinstance(l.self_attn, KimiDeltaAttention) and isinstance(l.ffn, MoE))
     cache = PagedCache(PagePool(model.config, 8, 16, torch.bfloat16), StateSlots(model.config, 8))
@@ -139,7 +167,7 @@ def test_blocks_step_aside_where_they_do_not_apply(make_checkpoint):
     h = torch.randn(5, d).to(torch.bfloat16)
     assert attention_block(layer, h, decode_batch(cache, [0, 1, 2, 3, 4], 3, model.config), h) is None  # > 4 rows
     big = torch.randn(9, d).to(torch.bfloat16)
-    assert ffn_block(layer, big, big) is None  # > MLP_MAX_ROWS rows
+    assert ffn_block(layer, big, big) is None  # > 8 rows
     assert ffn_block(layer, h.float(), None) is None
     assert ffn_block(layer, h, h[:2]) is None  # a residual of another shape
     chunk = StepBatch.single(2, 3, cache, SeqHandle(0, torch.arange(5)))

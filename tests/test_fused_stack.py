@@ -13,6 +13,7 @@ from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.paged_cache import PagedCache, SeqHandle
 from deltaserve.cache.sequence_cache import SequenceCache
 from deltaserve.cache.state_slots import StateSlots
+from deltaserve.layers import fused_attention
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.fused_blocks import attention_block
 from deltaserve.layers.fused_stack import DecodeStack
@@ -91,10 +92,32 @@ def test_stack_equals_the_layers_past_the_indexer_top_k(make_checkpoint, monkeyp
     assert taken == [True] * 2
 
 
+@pytest.mark.parametrize("slots", [[5, 0, 3, 1, 2], list(range(17, -1, -1))])
+def test_wide_stack_equals_the_layers_bit_for_bit(make_checkpoint, monkeypatch, slots):
+    """Decode steps of 5 and 18 sequences take kimi-linear-tiny's stack (its products on the column packs above 4
+    rows) with the layers' results, states and pages."""
+    taken = _count_stack_runs(monkeypatch)
+    model = native_model(make_checkpoint("kimi-linear-tiny"))
+    pages = (4 + 2 + len(slots)) // 16 + 1  # sequence i decodes at positions 4 + i .. 6 + i
+    stack_cache, layer_cache = twin_caches(model, len(slots), pages, sequences=len(slots))
+    g = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        for step in range(3):
+            ids = torch.randint(0, model.config.vocab_size, (len(slots),), generator=g)
+            model.fuse_stack = True
+            got = model(ids, decode_batch(stack_cache, slots, 4 + step, model.config, pages))
+            model.fuse_stack = False
+            want = model(ids, decode_batch(layer_cache, slots, 4 + step, model.config, pages))
+            assert torch.equal(got, want), f"step {step}"
+            _assert_caches_equal(stack_cache, layer_cache)
+    assert taken == [True] * 3
+
+
 def test_stack_steps_aside_where_a_block_would(make_checkpoint, monkeypatch):
     """More rows than the blocks take, a prefill chunk, a layer with its blocks off and a switch off: the layers
     run (and give the same result as with the stack off)."""
     taken = _count_stack_runs(monkeypatch)
+    monkeypatch.setattr(fused_attention, "BLOCK_MAX_ROWS", 4)  # read when the plans are gathered
     model = native_model(make_checkpoint("kimi-linear-tiny"))
     cache = PagedCache(PagePool(model.config, 8, 16, torch.bfloat16), StateSlots(model.config, 8))
     with torch.inference_mode():
@@ -212,6 +235,25 @@ def test_engine_decode_runs_through_the_stack(make_checkpoint, monkeypatch, pres
     fused, modules = fused_and_module_tokens(path, random_prompts(lengths, seed=6, high=700), stack=True)
     assert fused == modules
     assert taken == [False] + [True] * 7  # one prefill step, then the 7 decode steps of all three
+
+
+def test_engine_decodes_many_sequences_through_the_stack(make_checkpoint, monkeypatch):
+    """20 sequences decoding on kimi-linear-tiny take the stack (column packs, tile unit where there is
+    one) with the modules' greedy tokens."""
+    rows, run = [], DecodeStack.run
+
+    def counted(self, model, h, batch):
+        out = run(self, model, h, batch)
+        if out is not None:
+            rows.append(h.shape[0])
+        return out
+
+    monkeypatch.setattr(DecodeStack, "run", counted)
+    path = make_checkpoint("kimi-linear-tiny")
+    fused, modules = fused_and_module_tokens(path, random_prompts([3 + 2 * i for i in range(20)], seed=4, high=700),
+                                             stack=True)
+    assert fused == modules
+    assert len(rows) >= 7 and max(rows) >= 16  # the scheduler staggers the prefills: up to 16 decode at once
 
 
 def test_decode_checkpoints_from_the_stack_serve_later_prefix_hits(make_checkpoint, monkeypatch):

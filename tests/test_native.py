@@ -16,6 +16,7 @@ from deltaserve.layers.mlp import MLP
 from deltaserve.layers.moe import Experts, Routing
 from deltaserve.layers.native_path import MLP_MAX_ROWS, enable_native_kernels
 from deltaserve.ops import native
+from deltaserve.ops.activation import silu_glu
 from deltaserve.tools.presets import get_preset
 from engine_utils import bf16_runs_switched
 
@@ -343,7 +344,7 @@ def test_moe_rejects_bad_expert_ids_and_shapes():
                         packed=columns, shared=(*shared[:3], 9))
 
 
-@pytest.mark.parametrize("T", [1, 4, 7, MLP_MAX_ROWS + 5])
+@pytest.mark.parametrize("T", [1, 4, 7, MLP_MAX_ROWS + 5, 40])
 def test_mlp_and_linear_modules_switch_to_the_kernels(T, monkeypatch):
     config = ModelConfig.from_dict(get_preset("kimi-linear-tiny").config)
     g = torch.Generator().manual_seed(T)
@@ -355,13 +356,18 @@ def test_mlp_and_linear_modules_switch_to_the_kernels(T, monkeypatch):
     x = torch.randn(T, 64, generator=g).to(torch.bfloat16)
     plain = mlp(x)
     assert enable_native_kernels(mlp) == 3 and all(m.native for m in mlp.modules() if isinstance(m, Linear))
-    import deltaserve.layers.prepack as prepack
-    columns = []
-    monkeypatch.setattr(prepack, "linear_columns",
-                        lambda *a: columns.append(a[0].shape[0]) or native.linear_columns(*a))
-    # up to MLP_MAX_ROWS the fused expert kernel; above, the linears' column-packed products (gate and up as one)
-    torch.testing.assert_close(mlp(x), plain, atol=2e-3, rtol=2 ** -6)
-    assert columns == ([] if T <= MLP_MAX_ROWS else [T, T])
+    import deltaserve.layers.mlp as mlp_module
+    layouts = []
+    monkeypatch.setattr(mlp_module, "moe_bf16",
+                        lambda *a, **kw: layouts.append(kw["packed"][0].shape[-2:]) or native.moe_bf16(*a, **kw))
+    # the fused expert kernel at every size: on the row packs up to MLP_MAX_ROWS, the column packs above
+    got = mlp(x)
+    torch.testing.assert_close(got, plain, atol=2e-3, rtol=2 ** -6)
+    assert layouts == [(4, 32) if T <= MLP_MAX_ROWS else (64, 2)]
+    if T > MLP_MAX_ROWS:  # the same sums as the linears' column products around the torch activation
+        gate, up, down = (native.pack_columns(m.weight) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        h = silu_glu(native.linear_columns(x, gate, 48), native.linear_columns(x, up, 48))
+        assert torch.equal(got, native.linear_columns(h, down, 64))
 
 
 def test_fp32_modules_are_not_switched():
@@ -554,3 +560,21 @@ def test_linear_heads_is_a_product_per_head(T):
         _assert_rounded_product(y[:, h], x[:, h], w[h])
     with pytest.raises(ValueError):
         native.linear_heads(x, native.pack_rows(w), N + 1)
+
+
+@pytest.mark.parametrize("T, K, N", [(1, 48, 40), (5, 128, 512), (17, 100, 70), (40, 512, 128)])
+def test_linear_heads_columns_is_linear_columns_per_head(T, K, N):
+    """Each head's product over strided heads equals linear_columns on that head's rows and column pack bit for bit
+    (the tile unit from TILE_MIN_ROWS rows where there is one), and the rounded fp32 product."""
+    g = torch.Generator().manual_seed(T + K)
+    H = 3
+    wide = torch.randn(T, H, K + 16, generator=g).to(torch.bfloat16)
+    x = wide[..., :K]
+    w = torch.randn(H, N, K, generator=g).to(torch.bfloat16)
+    y = native.linear_heads_columns(x, native.pack_columns(w), N)
+    assert y.shape == (T, H, N)
+    for h in range(H):
+        assert torch.equal(y[:, h], native.linear_columns(x[:, h].contiguous(), native.pack_columns(w[h]), N))
+        _assert_rounded_product(y[:, h], x[:, h], w[h])
+    with pytest.raises(ValueError, match="pack_columns"):
+        native.linear_heads_columns(x, native.pack_rows(w), N)

@@ -10,10 +10,10 @@ import torch
 
 from ..ops import native
 from .batch import StepBatch
-from .fused_plan import Descriptor, Plan, address, has_switches, native_pack
+from .fused_plan import Descriptor, Plan, address, column_pack, has_switches, native_pack
 from .kda import KimiDeltaAttention
 from .mla import MLAttention
-from .native_path import LINEAR_MAX_ROWS
+from .native_path import BLOCK_MAX_ROWS, LINEAR_MAX_ROWS
 from .norm import RMSNorm
 
 
@@ -29,16 +29,19 @@ def attention_plan(attn: torch.nn.Module, norm: RMSNorm) -> Plan | None:
 def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> Descriptor:
     """native_src/blocks.c KB_* / KBF_* order."""
     c = attn.config
-    w_in = attn._inputs.get_native([m.weight for m in attn.input_linears()])
-    w_fb, w_o = native_pack(attn.f_b_proj), native_pack(attn.o_proj)
-    w_gb = None if c.kda_full_rank_gate else native_pack(attn.g_b_proj)
+    inputs = [m.weight for m in attn.input_linears()]
+    w_in, c_in = attn._inputs.get_native(inputs), attn._inputs.get_columns(inputs)
+    w_fb, w_o, c_fb, c_o = native_pack(attn.f_b_proj), native_pack(attn.o_proj), column_pack(attn.f_b_proj), \
+        column_pack(attn.o_proj)
+    w_gb, c_gb = (None, None) if c.kda_full_rank_gate else (native_pack(attn.g_b_proj), column_pack(attn.g_b_proj))
     dt_bias, a_log = attn.dt_bias.detach().float().contiguous(), attn.A_log.detach().float().contiguous()
     conv_w, o_norm = attn._conv_weight(), attn.o_norm.weight.detach().float().contiguous()
     n_in = sum(m.out_features for m in attn.input_linears())
-    keep = [t for t in (norm.weight, w_in, w_fb, w_gb, dt_bias, a_log, conv_w, o_norm, w_o) if t is not None]
+    keep = [t for t in (norm.weight, w_in, w_fb, w_gb, dt_bias, a_log, conv_w, o_norm, w_o, c_in, c_fb, c_gb, c_o)
+            if t is not None]
     ints = [c.hidden_size, attn.H, attn.K, attn.W, n_in, norm.weight.data_ptr(), w_in.data_ptr(), w_fb.data_ptr(),
-            0 if w_gb is None else w_gb.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), conv_w.data_ptr(),
-            o_norm.data_ptr(), w_o.data_ptr()]
+            address(w_gb), dt_bias.data_ptr(), a_log.data_ptr(), conv_w.data_ptr(), o_norm.data_ptr(), w_o.data_ptr(),
+            c_in.data_ptr(), c_fb.data_ptr(), address(c_gb), c_o.data_ptr()]
     lower = c.kda_gate_lower_bound
     return Descriptor(ints, [norm.eps, c.rms_norm_eps, math.nan if lower is None else lower, attn.K ** -0.5], keep)
 
@@ -64,7 +67,7 @@ def _kda_plan(attn: KimiDeltaAttention, norm: RMSNorm) -> Plan | None:
         return None
     sources = [norm.weight, attn.dt_bias, attn.A_log, attn.o_norm.weight, *(m.weight for m in linears),
                *(conv.weight for conv in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d))]
-    return Plan("kda", attn, [attn, norm, *linears], sources, lambda: _kda_descriptor(attn, norm), LINEAR_MAX_ROWS,
+    return Plan("kda", attn, [attn, norm, *linears], sources, lambda: _kda_descriptor(attn, norm), BLOCK_MAX_ROWS,
                  _run_kda)
 
 
@@ -107,13 +110,15 @@ def _mla_linears(attn: MLAttention) -> list[torch.nn.Module] | None:
 
 def _mla_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor:
     """native_src/blocks.c AB_* / ABF_* order."""
-    w_q, w_kva, w_o = native_pack(attn.q_proj), native_pack(attn.kv_a_proj_with_mqa), native_pack(attn.o_proj)
-    w_uk, w_uv = attn._kv_b_native()
+    linears = (attn.q_proj, attn.kv_a_proj_with_mqa, attn.o_proj)
+    w_q, w_kva, w_o = map(native_pack, linears)
+    c_q, c_kva, c_o = map(column_pack, linears)
+    (w_uk, w_uv), (c_uk, c_uv) = attn._kv_b_native(), attn._kv_b_columns()
     kva_norm = attn.kv_a_layernorm
-    keep = [norm.weight, w_q, w_kva, kva_norm.weight, w_uk, w_uv, w_o]
+    keep = [norm.weight, w_q, w_kva, kva_norm.weight, w_uk, w_uv, w_o, c_q, c_kva, c_uk, c_uv, c_o]
     ints = [attn.config.hidden_size, attn.H, attn.n, attn.rho, attn.v, attn.r, norm.weight.data_ptr(),
             w_q.data_ptr(), w_kva.data_ptr(), kva_norm.weight.data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(),
-            w_o.data_ptr()]
+            w_o.data_ptr(), *(t.data_ptr() for t in (c_q, c_kva, c_uk, c_uv, c_o))]
     return Descriptor(ints, [norm.eps, kva_norm.eps, attn.scale], keep)
 
 
@@ -122,7 +127,7 @@ def _mla_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
     if parts is None or not has_switches(attn, norm, *parts):
         return None
     return Plan("mla", attn, [attn, norm, *parts], [norm.weight, *(m.weight for m in parts)],
-                 lambda: _mla_descriptor(attn, norm), LINEAR_MAX_ROWS, _run_mla)
+                 lambda: _mla_descriptor(attn, norm), BLOCK_MAX_ROWS, _run_mla)
 
 
 def step_rows(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor] | None:

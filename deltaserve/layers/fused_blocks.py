@@ -8,13 +8,15 @@ equals the modules' bit for bit: the modules' forward is its twin (tests/test_fu
 the exception: its index-key LayerNorm, output-gate sigmoid and index scores are computed in C, equal to fp32
 rounding.
 
-A block applies when every part it composes runs on the native kernels (`native` switched on, bf16, unquantised)
-and the step is small: KDA attention, Kimi's dense NoPE MLA over paged bf16/fp32 latents, or a DSA layer (K3's
-NoPE, DeepSeek-V3.2's RoPE) over plain bf16/fp32 latent and index-key pages (past the indexer's top-k the block
-scores the keys and selects in C, native_src/indexer.c), on a pure decode step of at most `LINEAR_MAX_ROWS`
-sequences; a MoE
-or dense-MLP FFN over at most `MLP_MAX_ROWS` rows (`LINEAR_MAX_ROWS` for K3's latent MoE, whose down and up
-projections are plain linears). Otherwise the calls return None and the layer runs its modules.
+A block applies when every part it composes runs on the native kernels (`native` switched on, bf16, unquantised):
+KDA attention or Kimi's dense NoPE MLA over paged bf16/fp32 latents on a pure decode step of at most
+`BLOCK_MAX_ROWS` sequences; a DSA layer (K3's NoPE, DeepSeek-V3.2's RoPE) over plain bf16/fp32 latent and
+index-key pages (past the indexer's top-k the block scores the keys and selects in C, native_src/indexer.c) on one
+of at most `LINEAR_MAX_ROWS`; a MoE or dense-MLP FFN over at most `BLOCK_MAX_ROWS` rows of any step
+(`LINEAR_MAX_ROWS` for K3's latent MoE, whose down and up projections are plain linears). Above `LINEAR_MAX_ROWS`
+rows the blocks' products read the column packs (`MLP_MAX_ROWS` for the dense and shared MLPs), as the modules'
+products do, so one form of each product runs at each row count and the results stay the modules'. Otherwise the
+calls return None and the layer runs its modules.
 
 Each layer keeps a `BlockPlans`: per block, gathered at its first decode step, the modules whose `native` switches
 it needs (read on every call), the weights it reads and its descriptor (dimensions and the packed weights'
@@ -33,10 +35,10 @@ from ..config import ModelConfig
 from ..ops import native
 from .batch import StepBatch
 from .fused_attention import attention_plan
-from .fused_plan import Descriptor, Plan, address, has_switches, native_pack
+from .fused_plan import Descriptor, Plan, address, column_pack, has_switches, native_pack
 from .mlp import MLP, situ_params
 from .moe import MoE
-from .native_path import LINEAR_MAX_ROWS, MLP_MAX_ROWS
+from .native_path import BLOCK_MAX_ROWS, LINEAR_MAX_ROWS
 from .norm import RMSNorm
 
 
@@ -69,7 +71,7 @@ def _ffn_plan(ffn: torch.nn.Module, norm: RMSNorm, config: ModelConfig) -> Plan 
                     moe.experts.w2, *(m.weight for m in latent)]
     if mlp is not None:
         sources += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
-    max_rows = LINEAR_MAX_ROWS if moe is not None and moe.latent else MLP_MAX_ROWS
+    max_rows = LINEAR_MAX_ROWS if moe is not None and moe.latent else BLOCK_MAX_ROWS
     return Plan("ffn", ffn, switches, sources, lambda: _ffn_descriptor(config, norm, moe, mlp), max_rows)
 
 
@@ -92,11 +94,13 @@ def _ffn_descriptor(c: ModelConfig, norm: RMSNorm, moe: MoE | None, mlp: MLP | N
         routed = [c.num_experts, moe.experts.w1.shape[1], c.num_experts_per_token, router_w.data_ptr(),
                   bias.data_ptr(), int(c.router_activation != "sigmoid"), c.num_expert_group, c.topk_group,
                   int(c.moe_renormalize), *(w.data_ptr() for w in stacks)]
-    shared = [0, 0, 0, 0]
+    shared, shared_columns = [0, 0, 0, 0], [0, 0, 0]
     if mlp is not None:
-        packs = [native_pack(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-        keep += packs
+        linears = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        packs, columns = [native_pack(m) for m in linears], [column_pack(m) for m in linears]
+        keep += packs + columns
         shared = [mlp.gate_proj.out_features, *(p.data_ptr() for p in packs)]
+        shared_columns = [p.data_ptr() for p in columns]
     latent, latent_eps = [0, 0, 0, 0], 0.0
     if moe is not None and moe.latent:
         down, up, latent_norm = native_pack(moe.routed_expert_down_proj), native_pack(moe.routed_expert_up_proj), None
@@ -105,7 +109,7 @@ def _ffn_descriptor(c: ModelConfig, norm: RMSNorm, moe: MoE | None, mlp: MLP | N
         keep += [t for t in (down, up, latent_norm) if t is not None]
         latent = [moe.latent, down.data_ptr(), address(latent_norm), up.data_ptr()]
     situ = situ_params(c)
-    ints = [c.hidden_size, norm.weight.data_ptr(), *routed, *shared, int(situ is not None), *latent]
+    ints = [c.hidden_size, norm.weight.data_ptr(), *routed, *shared, int(situ is not None), *latent, *shared_columns]
     floats = [norm.eps, c.routed_scaling_factor, situ[0] if situ else 0.0,
               math.nan if situ is None or situ[1] is None else situ[1], latent_eps]
     return Descriptor(ints, floats, keep)

@@ -16,6 +16,11 @@ def native_pack(linear: torch.nn.Module) -> torch.Tensor:
     return linear._packed.get_native([linear.weight])
 
 
+def column_pack(linear: torch.nn.Module) -> torch.Tensor:
+    """The linear's column pack, which it multiplies with above LINEAR_MAX_ROWS rows (and the blocks with it)."""
+    return linear._packed.get_columns([linear.weight])
+
+
 def takes_block(x: torch.Tensor, residual: torch.Tensor | None, max_rows: int) -> bool:
     return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and 0 < x.shape[0] <= max_rows
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape

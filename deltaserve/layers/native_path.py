@@ -5,8 +5,9 @@ kernels have built. Linears take the 4-row dot tiles up to `LINEAR_MAX_ROWS` row
 above (`ops/native.py` linear_columns: faster than oneDNN's packed product from 5 to ~512 rows on the 2-core
 EPYC, within 2-4% of it at 2,048, so one packed copy serves every size; on the 2-core Xeon with AMX it runs on the
 tile unit, level with oneDNN's AMX product from 32 to 512 rows and 15-36% behind it at 2,048, 5x the AVX512 pair
-products at 128); dense MLPs take the fused expert kernel up
-to `MLP_MAX_ROWS` tokens and their linears above. Routed experts take the fused kernel at every size: each expert
+products at 128); dense MLPs take the fused expert kernel at every size, on their linears' row packs up
+to `MLP_MAX_ROWS` tokens and their column packs above (bit for bit the linears' column products around the torch
+activation). Routed experts take the fused kernel at every size: each expert
 sees only a share of the tokens, and one call over all of them beat the per-expert oneDNN dispatch from 1 token
 (559 -> 78 us) to 2048 (92 -> 55 ms) on kimi-linear-small's expert shapes.
 """
@@ -18,8 +19,12 @@ import torch
 from ..ops.native import LINEAR_MAX_ROWS, native_usable
 
 MLP_MAX_ROWS = 8
+# Decode steps of up to this many sequences take the fused blocks and the decode stack (layers/fused_blocks.py):
+# above LINEAR_MAX_ROWS their products read the column packs, as the modules do. At 32 sequences a
+# kimi-linear-small step spent ~26 of ~110 ms outside the kernels, in the Python and torch glue between them.
+BLOCK_MAX_ROWS = 256
 
-__all__ = ["LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "takes_native", "enable_native_kernels", "switch_modules"]
+__all__ = ["BLOCK_MAX_ROWS", "LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "takes_native", "enable_native_kernels", "switch_modules"]
 
 
 def takes_native(x: torch.Tensor, max_rows: int | None) -> bool:

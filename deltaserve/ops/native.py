@@ -80,6 +80,8 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_moe_bf16.restype = ctypes.c_int
     lib.ds_linear_columns.argtypes = [_P, _I, _I, _I, _P, _I, _P, ctypes.c_int, ctypes.c_int]
     lib.ds_linear_columns.restype = None
+    lib.ds_heads_columns.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _P, ctypes.c_int, ctypes.c_int]
+    lib.ds_heads_columns.restype = None
     lib.ds_tiles_usable.argtypes = []
     lib.ds_tiles_usable.restype = ctypes.c_int
     lib.ds_kda_step.argtypes = [_I, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P,
@@ -240,6 +242,21 @@ def linear_heads(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Ten
         desc[7 * h:7 * h + 7] = [w0 + 2 * h * packed.stride(0), -1, n_out, y0 + 2 * h * n_out, H * n_out,
                                  x0 + 2 * h * x.stride(1), x.stride(0)]
     native_library().ds_linear_bf16(T, K, H, desc, torch.get_num_threads())
+    return y
+
+
+def linear_heads_columns(x: torch.Tensor, packed: torch.Tensor, n_out: int, tiles: bool = True) -> torch.Tensor:
+    """`linear_heads` over `pack_columns` of the heads' weights [H, n_out, K], any T: each head's product as
+    `linear_columns` (the same sums), all heads' column blocks in one parallel call (native_src/experts.c
+    ds_heads_columns); returns [T, H, n_out] bf16."""
+    T, H, K = x.shape
+    if not (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and packed.dtype == torch.bfloat16
+            and packed.is_contiguous() and tuple(packed.shape) == column_packed_shape((H, n_out, K))):
+        raise ValueError("linear_heads_columns takes bf16 x [T, H, K] and pack_columns of weights [H, n_out, K]")
+    y = torch.empty(T, H, n_out, dtype=torch.bfloat16)
+    if T:
+        native_library().ds_heads_columns(x.data_ptr(), T, x.stride(0), x.stride(1), H, K, packed.data_ptr(), n_out,
+                                          y.data_ptr(), tiles, torch.get_num_threads())
     return y
 
 

@@ -10,13 +10,27 @@
 #include "kernels.h"
 
 enum { KB_D, KB_H, KB_K, KB_W, KB_NIN, KB_NORM_W, KB_W_IN, KB_W_FB, KB_W_GB, KB_DT_BIAS, KB_A_LOG, KB_CONV_W,
-       KB_ONORM_W, KB_W_O };
+       KB_ONORM_W, KB_W_O, KB_C_IN, KB_C_FB, KB_C_GB, KB_C_O };
 enum { KBF_EPS, KBF_ONORM_EPS, KBF_LOWER_BOUND, KBF_SCALE };
 
 /* y [M, N] = x [M, K] (contiguous rows) @ W^T for one packed weight W [N, K]. */
 static void linear_1(const bf16 *x, int64_t M, int64_t K, const bf16 *packed, int64_t N, bf16 *y, int nthreads) {
     int64_t task[7] = {(int64_t)packed, -1, N, (int64_t)y, N, (int64_t)x, K};
     ds_linear_bf16(M, K, 1, task, nthreads);
+}
+
+/* y [M, N] (contiguous) = rows of x [M, K] at stride ldx @ W^T for one weight W [N, K] given in both native packs,
+ * as the linears' own `native_product` picks them by row count (layers/prepack.py): the row-packed dot tiles
+ * (`rows`) up to LINEAR_MAX_ROWS rows, the column pack (`cols`, on the tile unit where there is one) above. The
+ * two forms sum in other fp32 orders, so a block takes the form its module would. */
+static void product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, int64_t rows, int64_t cols, int64_t N, bf16 *y,
+                    int nthreads) {
+    if (M <= LINEAR_MAX_ROWS) {
+        int64_t task[7] = {rows, -1, N, (int64_t)y, N, (int64_t)x, ldx};
+        ds_linear_bf16(M, K, 1, task, nthreads);
+    } else {
+        ds_linear_columns(x, M, ldx, K, (const bf16 *)cols, N, y, 1, nthreads);
+    }
 }
 
 /* out = bf16(r + a), or out = a when there is no r. */
@@ -31,7 +45,8 @@ static void residual_add(const bf16 *r, const bf16 *a, int64_t n, bf16 *out) {
 /* out = r + KDA(rmsnorm(x)) for N decode tokens, one per sequence, states in place in their slots
  * (layers/kda.py for the math and roundings). The input projections are stacked q | k | v | f_a | b | g
  * (g: g_a of width K, or the full-rank gate of width H K when desc[KB_W_GB] is 0), packed; f_b and g_b are
- * K -> H K, o_proj H K -> D, all packed. conv [slots, 3 H K, W-1] and rec [slots, H, K, K] at the given slot
+ * K -> H K, o_proj H K -> D, each row-packed (KB_W_*) and column-packed (KB_C_*; read above LINEAR_MAX_ROWS
+ * rows). conv [slots, 3 H K, W-1] and rec [slots, H, K, K] at the given slot
  * strides; slots [N] (< 0: padding, no state touched). x, r (NULL: none) and out [N, D] bf16 contiguous. */
 void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
                   const int64_t *slots, float *conv, int64_t conv_stride, float *rec, int64_t rec_stride, bf16 *out,
@@ -45,11 +60,16 @@ void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, cons
     for (int64_t i = 0; i <= N; i++) cu[i] = i;
 
     ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[KB_NORM_W], fdesc[KBF_EPS], x, nthreads);
-    linear_1(x, N, D, (const bf16 *)desc[KB_W_IN], NIN, y, nthreads);
+    product(x, N, D, D, desc[KB_W_IN], desc[KB_C_IN], NIN, y, nthreads);
     const bf16 *f_a = y + 3 * P, *b = f_a + K, *g_in = b + H;
-    int64_t gate_tasks[14] = {desc[KB_W_FB], -1, P, (int64_t)u, P, (int64_t)f_a, NIN,
-                              desc[KB_W_GB], -1, P, (int64_t)gate, P, (int64_t)g_in, NIN};
-    ds_linear_bf16(N, K, full_rank ? 1 : 2, gate_tasks, nthreads);
+    if (N <= LINEAR_MAX_ROWS) { /* both gate products in one call */
+        int64_t gate_tasks[14] = {desc[KB_W_FB], -1, P, (int64_t)u, P, (int64_t)f_a, NIN,
+                                  desc[KB_W_GB], -1, P, (int64_t)gate, P, (int64_t)g_in, NIN};
+        ds_linear_bf16(N, K, full_rank ? 1 : 2, gate_tasks, nthreads);
+    } else {
+        product(f_a, N, NIN, K, desc[KB_W_FB], desc[KB_C_FB], P, u, nthreads);
+        if (!full_rank) product(g_in, N, NIN, K, desc[KB_W_GB], desc[KB_C_GB], P, gate, nthreads);
+    }
     if (full_rank) /* the gate's rows, contiguous for the per-head norm */
         for (int64_t i = 0; i < N; i++) memcpy(gate + i * P, g_in + i * NIN, sizeof(bf16) * (size_t)P);
     ds_kda_gate(u, P, b, NIN, N, H, K, (const float *)desc[KB_DT_BIAS], (const float *)desc[KB_A_LOG],
@@ -58,7 +78,7 @@ void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, cons
                 fdesc[KBF_SCALE], rec, rec_stride, slots, core, nthreads);
     ds_gated_rmsnorm_bf16(core, N * H, K, gate, K, (const float *)desc[KB_ONORM_W], fdesc[KBF_ONORM_EPS], o,
                           nthreads);
-    linear_1(o, N, P, (const bf16 *)desc[KB_W_O], D, a, nthreads);
+    product(o, N, P, P, desc[KB_W_O], desc[KB_C_O], D, a, nthreads);
     residual_add(r, a, N * D, out);
     free(x);
     free(g);
@@ -66,14 +86,16 @@ void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, cons
 }
 
 enum { MB_D, MB_NORM_W, MB_E, MB_I, MB_K, MB_ROUTER_W, MB_BIAS, MB_SOFTMAX, MB_GROUPS, MB_TOPK_GROUP, MB_RENORM,
-       MB_W1, MB_W3, MB_W2, MB_SHARED_I, MB_S1, MB_S3, MB_S2, MB_ACT, MB_LATENT, MB_W_DOWN, MB_LATENT_NORM_W, MB_W_UP };
+       MB_W1, MB_W3, MB_W2, MB_SHARED_I, MB_S1, MB_S3, MB_S2, MB_ACT, MB_LATENT, MB_W_DOWN, MB_LATENT_NORM_W, MB_W_UP,
+       MB_C_S1, MB_C_S3, MB_C_S2 };
 enum { MBF_EPS, MBF_SCALE, MBF_BETA, MBF_LIN_BETA, MBF_LATENT_EPS };
 
 /* out = r + FFN(rmsnorm(x)) for T tokens, where FFN is routed experts (E > 0: the router on the normed x, then the
  * fused expert kernel over the column-packed stacks, experts.c; with a latent width L > 0, K3's latent form: the
  * experts run on down(x) [T, L], their output optionally RMS-normed, then up to D) plus a shared or dense gated MLP
- * (shared width > 0: the expert kernel with one expert of weight 1), the two outputs each rounded to bf16 and
- * summed in bf16 (layers/moe.py, layers/mlp.py). x, r (NULL: none) and out [T, D] bf16 contiguous. Returns 0, or -1
+ * (shared width > 0: the expert kernel with one expert of weight 1, on its row packs MB_S* up to MLP_MAX_ROWS tokens
+ * and its column packs MB_C_* above, as layers/mlp.py), the two outputs each rounded to bf16 and summed in bf16
+ * (layers/moe.py, layers/mlp.py). x, r (NULL: none) and out [T, D] bf16 contiguous. Returns 0, or -1
  * (nothing written) when the router rejects its shape. */
 int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t T, bf16 *out,
                  int nthreads) {
@@ -112,8 +134,10 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
             experts[t] = 0;
             weights[t] = 1.f;
         }
-        ds_moe_bf16(x, T, D, experts, weights, 1, (const bf16 *)desc[MB_S1], (const bf16 *)desc[MB_S3],
-                    (const bf16 *)desc[MB_S2], 1, IS, 1, act, fdesc[MBF_BETA], fdesc[MBF_LIN_BETA], NULL, NULL, NULL, 0,
+        int cols = T > MLP_MAX_ROWS;
+        ds_moe_bf16(x, T, D, experts, weights, 1, (const bf16 *)desc[cols ? MB_C_S1 : MB_S1],
+                    (const bf16 *)desc[cols ? MB_C_S3 : MB_S3], (const bf16 *)desc[cols ? MB_C_S2 : MB_S2], 1, IS,
+                    cols ? 2 : 1, act, fdesc[MBF_BETA], fdesc[MBF_LIN_BETA], NULL, NULL, NULL, 0,
                     1, hbuf + (E > 0 ? T * k * I : 0), shared, nthreads);
         if (E > 0)
             residual_add(routed, shared, T * D, routed);
@@ -128,13 +152,18 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
 }
 
 enum { AB_D, AB_H, AB_N, AB_RHO, AB_V, AB_R, AB_NORM_W, AB_W_Q, AB_W_KVA, AB_KVA_NORM_W, AB_W_UK, AB_W_UV,
-       AB_W_O };
+       AB_W_O, AB_C_Q, AB_C_KVA, AB_C_UK, AB_C_UV, AB_C_O };
 enum { ABF_EPS, ABF_KVA_EPS, ABF_SCALE };
 
 /* y[:, h] = x[:, h] W_h^T for each of H heads: x rows at stride ldx with head h at column h * hx, W_h [n_out, K]
- * packed per head (one packed matrix after another), y [N, H * n_out]. */
+ * packed per head (one packed matrix after another: row-packed up to LINEAR_MAX_ROWS rows, column-packed above, as
+ * layers/mla.py's absorptions), y [N, H * n_out]. */
 static void heads_linear(const bf16 *x, int64_t N, int64_t ldx, int64_t hx, int64_t H, int64_t K, int64_t packed,
                          int64_t n_out, bf16 *y, int nthreads) {
+    if (N > LINEAR_MAX_ROWS) { /* `packed` is then pack_columns of the heads [H, n_out, K] (layers/mla.py) */
+        ds_heads_columns(x, N, ldx, hx, H, K, (const bf16 *)packed, n_out, y, 1, nthreads);
+        return;
+    }
     int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(7 * H));
     for (int64_t h = 0; h < H; h++) {
         int64_t *t = tasks + 7 * h;
@@ -196,7 +225,8 @@ static int rows_in_range(const int64_t *write_rows, const int64_t *selected, int
 /* out = r + MLA(rmsnorm(x)) for N decode tokens of Kimi's dense NoPE MLA (layers/mla.py: q_proj, kv_a_proj and
  * its norm, the cache row [c | k_pe] written at write_rows[i] (< 0: not written), then `attend_absorbed` over every
  * row of the sequence so far, o_proj). pages [nrows, R + RHO] at row stride ld, bf16 (pages_bf16) or fp32. W_UK^T
- * [H, R, N] and W_UV [H, V, R] packed per head. x, r (NULL: none) and out [N, D] bf16 contiguous. Returns 0, or
+ * [H, R, N] and W_UV [H, V, R] packed per head; every weight row-packed (AB_W_*) and column-packed (AB_C_*, read
+ * above LINEAR_MAX_ROWS rows). x, r (NULL: none) and out [N, D] bf16 contiguous. Returns 0, or
  * -1 (nothing written) when a selected or written row is not below nrows. */
 int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
                  const int64_t *selected, int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld,
@@ -208,9 +238,14 @@ int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     bf16 *q = x + N * D, *ckv = q + N * QW, *row = ckv + N * CW, *vals = row + N * CW, *a = vals + N * H * V;
 
     ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[AB_NORM_W], fdesc[ABF_EPS], x, nthreads);
-    int64_t proj[14] = {desc[AB_W_Q], -1, QW, (int64_t)q, QW, (int64_t)x, D,
-                        desc[AB_W_KVA], -1, CW, (int64_t)ckv, CW, (int64_t)x, D};
-    ds_linear_bf16(N, D, 2, proj, nthreads);
+    if (N <= LINEAR_MAX_ROWS) { /* q_proj and kv_a_proj in one call */
+        int64_t proj[14] = {desc[AB_W_Q], -1, QW, (int64_t)q, QW, (int64_t)x, D,
+                            desc[AB_W_KVA], -1, CW, (int64_t)ckv, CW, (int64_t)x, D};
+        ds_linear_bf16(N, D, 2, proj, nthreads);
+    } else {
+        product(x, N, D, D, desc[AB_W_Q], desc[AB_C_Q], QW, q, nthreads);
+        product(x, N, D, D, desc[AB_W_KVA], desc[AB_C_KVA], CW, ckv, nthreads);
+    }
     ds_rmsnorm_bf16(ckv, N, R, CW, (const bf16 *)desc[AB_KVA_NORM_W], fdesc[ABF_KVA_EPS], row, nthreads);
     for (int64_t i = N - 1; i >= 0; i--) { /* rows [c | k_pe]: c came out packed [N, R], spread it from the back */
         memmove(row + i * CW, row + i * R, sizeof(bf16) * (size_t)R);
@@ -218,10 +253,11 @@ int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     }
     for (int64_t i = 0; i < N; i++)
         if (write_rows[i] >= 0) store_row(pages, pages_bf16, ld, write_rows[i], row + i * CW, CW);
-    int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, desc[AB_W_UK], desc[AB_W_UV], selected, nsel, pages, ld,
-                              nrows, pages_bf16, fdesc[ABF_SCALE], vals, nthreads);
+    int wide = N > LINEAR_MAX_ROWS;
+    int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, desc[wide ? AB_C_UK : AB_W_UK], desc[wide ? AB_C_UV : AB_W_UV],
+                              selected, nsel, pages, ld, nrows, pages_bf16, fdesc[ABF_SCALE], vals, nthreads);
     if (!bad) {
-        linear_1(vals, N, H * V, (const bf16 *)desc[AB_W_O], D, a, nthreads);
+        product(vals, N, H * V, H * V, desc[AB_W_O], desc[AB_C_O], D, a, nthreads);
         residual_add(r, a, N * D, out);
     }
     free(x);

@@ -282,18 +282,29 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, 
  * With `tiles` and TILE_MIN_ROWS rows or more, the blocks run on the AMX tile unit where there is one (tiles.c). */
 void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *w, int64_t N, bf16 *out,
                        int tiles, int nthreads) {
-    const bf16 **rows = malloc(sizeof(bf16 *) * (size_t)M);
-    for (int64_t i = 0; i < M; i++) rows[i] = x + i * ldx;
+    ds_heads_columns(x, M, ldx, 0, 1, K, w, N, out, tiles, nthreads);
+}
+
+/* Per head h < H: out[:, h] = x[:, h] W_h^T, for rows of x at stride ldx with head h at column h * hx, W_h [N, K]
+ * column-packed one after another (pack_columns of [H, N, K]), out [M, H * N] contiguous; each output rounded to bf16 once from its fp32
+ * sum, as ds_linear_columns (which is the case H = 1). All heads' column blocks share one parallel loop: MLA's
+ * absorbed products at decode are 8 heads of 1-8 blocks each (layers/mla.py). */
+void ds_heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const bf16 *w,
+                      int64_t N, bf16 *out, int tiles, int nthreads) {
+    const bf16 **rows = malloc(sizeof(bf16 *) * (size_t)(H * M));
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t i = 0; i < M; i++) rows[h * M + i] = x + h * hx + i * ldx;
     int64_t blocks = (N + COL_BLOCK - 1) / COL_BLOCK;
     tiles = tiles && ds_tiles_usable();
 #pragma omp parallel num_threads(nthreads)
     {
         float *acc = malloc(sizeof(float) * (size_t)(M * COL_BLOCK));
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t item = 0; item < H * blocks; item++) {
+            int64_t h = item / blocks, b = item % blocks;
             int64_t n0 = b * COL_BLOCK, n = N - n0 < COL_BLOCK ? N - n0 : COL_BLOCK;
-            rows_product(rows, x, ldx, M, w, b, K, tiles, acc);
-            for (int64_t i = 0; i < M; i++) round_row(acc + i * COL_BLOCK, n, out + i * N + n0);
+            rows_product(rows + h * M, x + h * hx, ldx, M, w + h * column_packed_size(N, K), b, K, tiles, acc);
+            for (int64_t i = 0; i < M; i++) round_row(acc + i * COL_BLOCK, n, out + i * H * N + h * N + n0);
         }
         free(acc);
     }

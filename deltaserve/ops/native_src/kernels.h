@@ -22,6 +22,13 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, 
 /* experts.c: a plain product over a column-packed weight (ops/native.py linear_columns). */
 void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *w, int64_t N, bf16 *out,
                        int tiles, int nthreads);
+void ds_heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const bf16 *w,
+                      int64_t N, bf16 *out, int tiles, int nthreads);
+/* The row counts up to which plain linears take the row-packed dot tiles (ds_linear_bf16; above: the column pack)
+ * and dense MLPs the expert kernel on their row packs (above: their column packs), as ops/native.py LINEAR_MAX_ROWS
+ * and layers/native_path.py MLP_MAX_ROWS; the fused blocks follow them to give their modules' results. */
+#define LINEAR_MAX_ROWS 4
+#define MLP_MAX_ROWS 8
 /* tiles.c: products of TILE_MIN_ROWS rows and more take the AMX tile unit where the CPU and the OS give it (the
  * callers' `tiles` argument 1), the AVX512-BF16 pair products otherwise. tile_block_product is experts.c's
  * block_product for rows at a stride over K's whole groups of 32: acc [m][64] = x [m] (stride ldx) times block b
