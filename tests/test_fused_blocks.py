@@ -61,6 +61,39 @@ def test_ffn_block_takes_prefill_rows_as_the_modules(make_checkpoint, rows):
             assert got is not None and torch.equal(got, x + layer.ffn(layer.post_attention_layernorm(x)))
 
 
+def test_kda_block_takes_prefill_chunks_as_the_module(make_checkpoint):
+    """A step of prefill chunks and a decode token (5, 1 and 12 rows, contexts 3, 7 and 0) through each KDA layer's
+    block and through its module: outputs, slot states and the prefix-cache checkpoints of the snapshots at the
+    chunks' ends agree bit for bit."""
+    model = native_model(make_checkpoint("kimi-linear-tiny"))
+    caches = twin_caches(model, 3)
+    for cache in caches:
+        cache.checkpoints = StateSlots(model.config, 3)
+    lengths, contexts, slots = [5, 1, 12], [3, 7, 0], [2, 0, 3]
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, lengths)])
+    starts = [0, 5, 6, 18]
+
+    def chunk_batch(cache):
+        handles = [SeqHandle(s, torch.arange(c + n)) for s, c, n in zip(slots, contexts, lengths)]
+        return StepBatch(positions, starts, contexts, cache, handles, kda_snapshots=[[(5, 0)], [], [(12, 2)]])
+
+    g = torch.Generator().manual_seed(3)
+    kda = [l for l in model.layers if isinstance(l.self_attn, KimiDeltaAttention)]
+    with torch.inference_mode():
+        for layer in kda:
+            x = torch.randn(18, model.config.hidden_size, generator=g).to(torch.bfloat16)
+            got = attention_block(layer, x, chunk_batch(caches[0]), x)
+            want = x + layer.self_attn(layer.input_layernorm(x), chunk_batch(caches[1]))
+            assert got is not None and torch.equal(got, want), f"layer {layer.layer}"
+    assert kda
+    fused, module = caches
+    assert torch.equal(fused.states.conv, module.states.conv)
+    assert torch.equal(fused.states.recurrent, module.states.recurrent)
+    assert torch.equal(fused.checkpoints.recurrent, module.checkpoints.recurrent)
+    assert torch.equal(fused.checkpoints.conv, module.checkpoints.conv)
+    assert fused.checkpoints.recurrent[[0, 2]].abs().sum() > 0 and fused.checkpoints.recurrent[1].abs().sum() == 0
+
+
 def _blocks_against_modules(model, slots: list[int]) -> None:
     g = torch.Generator().manual_seed(len(slots))
     pages = (4 + 2 + len(slots)) // 16 + 1  # sequence i decodes at positions 4 + i .. 6 + i
@@ -172,6 +205,9 @@ def test_blocks_step_aside_where_they_do_not_apply(make_checkpoint, monkeypatch)
     assert ffn_block(layer, h, h[:2]) is None  # a residual of another shape
     chunk = StepBatch.single(2, 3, cache, SeqHandle(0, torch.arange(5)))
     assert chunk.decode_slots is None and chunk.decode_context_rows is None  # a prefill chunk is not a decode step
+    mla = next(l for l in model.layers if not isinstance(l.self_attn, KimiDeltaAttention))
+    assert attention_block(mla, h[:2], chunk, None) is None  # MLA blocks take decode steps only
+    chunk.kda_snapshots = [[(1, 0)]]  # a snapshot inside the chunk: the module cuts the chunk there
     assert attention_block(layer, h[:2], chunk, None) is None
     layer.ffn.experts.native = False
     assert ffn_block(layer, h[:1], None) is None

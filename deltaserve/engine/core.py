@@ -25,6 +25,7 @@ from ..models.loader import DTYPES, load_model
 from ..ops.opset import get_ops
 from ..tokenizer import load_tokenizer
 from .config import EngineArgs
+from .heap import keep_freed_memory
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import Sampler, SamplingState, TokenLogprobs
@@ -52,6 +53,7 @@ class CoreOutput:
 class EngineCore:
     def __init__(self, args: EngineArgs, model_path: Path):
         self.args = args
+        keep_freed_memory()  # activations stop being faulted in afresh every step (engine/heap.py)
         self.model = load_model(model_path, dtype=args.dtype, quantization=args.quantization)
         if args.native_kernels and args.ops == "fast":  # first: experts on the kernels skip the oneDNN packs
             log.info("native kernels for %d modules", enable_native_kernels(self.model))

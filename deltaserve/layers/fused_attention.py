@@ -73,25 +73,42 @@ def _kda_plan(attn: KimiDeltaAttention, norm: RMSNorm) -> Plan | None:
 
 def _run_kda(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
              residual: torch.Tensor | None) -> torch.Tensor | None:
-    slots = batch.decode_slots
-    if slots is None or slots.numel() != x.shape[0]:
+    pools = kda_pools(plan.module, batch.cache) if batch.cache is not None else None
+    sequences = _kda_sequences(batch, x.shape[0]) if pools is not None else None
+    if sequences is None:
         return None
-    pools = kda_pools(plan.module, batch.cache)
-    if pools is None:
-        return None
+    nseq, cu, slots = sequences
     conv, rec = pools
     out = torch.empty_like(x)
     native.native_library().ds_kda_block(desc.ints_address, desc.floats_address, x.data_ptr(), address(residual),
-                                         x.shape[0], slots.data_ptr(), conv.data_ptr(), conv.stride(0),
-                                         rec.data_ptr(), rec.stride(0), out.data_ptr(), torch.get_num_threads())
+                                         x.shape[0], nseq, address(cu), slots.data_ptr(), conv.data_ptr(),
+                                         conv.stride(0), rec.data_ptr(), rec.stride(0), out.data_ptr(),
+                                         torch.get_num_threads())
     save_decode_checkpoints(plan.module, batch, conv, rec)
     return out
 
 
+def _kda_sequences(batch: StepBatch, rows: int) -> tuple[int, torch.Tensor | None, torch.Tensor] | None:
+    """(sequence count, row offsets or None for one token each, state slots) of a step the KDA block takes: a pure
+    decode step, or any step whose prefix-cache snapshots all fall at the end of their sequence's rows (the module
+    cuts a chunk at a snapshot inside it: those steps stay on the module). The module runs every sequence of such a
+    step through the same ds_kda_step (its decode call and its one varlen round), so the block gives its result."""
+    slots = batch.decode_slots
+    if slots is not None and slots.numel() == rows:
+        return rows, None, slots
+    B = batch.num_seqs
+    if batch.query_start[-1] != rows or any(off != batch.rows(i).stop - batch.rows(i).start
+                                            for i in range(B) for off, _ in batch.snapshots(i)):
+        return None
+    slots = torch.tensor([batch.handle(i).slot for i in range(B)], dtype=torch.int64)
+    return B, torch.tensor(batch.query_start, dtype=torch.int64), slots
+
+
 def save_decode_checkpoints(attn: KimiDeltaAttention, batch: StepBatch, conv: torch.Tensor,
                             rec: torch.Tensor) -> None:
-    """The prefix-cache snapshots of a pure decode step, each after its sequence's one token: the slot's state
-    after the step copied into the checkpoint, as the layer's module does (layers/kda.py)."""
+    """The prefix-cache snapshots of a step the KDA block ran, each at the end of its sequence's rows (one token
+    on a decode step): the slot's state after the step copied into the checkpoint, as the layer's module does
+    (layers/kda.py)."""
     if not any(batch.kda_snapshots):
         return
     for handle, snapshots in zip(batch.handles, batch.kda_snapshots):

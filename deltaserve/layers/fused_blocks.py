@@ -9,8 +9,9 @@ the exception: its index-key LayerNorm, output-gate sigmoid and index scores are
 rounding.
 
 A block applies when every part it composes runs on the native kernels (`native` switched on, bf16, unquantised):
-KDA attention or Kimi's dense NoPE MLA over paged bf16/fp32 latents on a pure decode step of at most
-`BLOCK_MAX_ROWS` sequences; a DSA layer (K3's NoPE, DeepSeek-V3.2's RoPE) over plain bf16/fp32 latent and
+KDA attention on any step whose prefix-cache snapshots fall at its sequences' ends (decode steps and prefill chunks
+alike) and Kimi's dense NoPE MLA over paged bf16/fp32 latents on a pure decode step, of at most `BLOCK_MAX_ROWS`
+rows; a DSA layer (K3's NoPE, DeepSeek-V3.2's RoPE) over plain bf16/fp32 latent and
 index-key pages (past the indexer's top-k the block scores the keys and selects in C, native_src/indexer.c) on one
 of at most `LINEAR_MAX_ROWS`; a MoE or dense-MLP FFN over at most `BLOCK_MAX_ROWS` rows of any step
 (`LINEAR_MAX_ROWS` for K3's latent MoE, whose down and up projections are plain linears). Above `LINEAR_MAX_ROWS`
@@ -18,7 +19,7 @@ rows the blocks' products read the column packs (`MLP_MAX_ROWS` for the dense an
 products do, so one form of each product runs at each row count and the results stay the modules'. Otherwise the
 calls return None and the layer runs its modules.
 
-Each layer keeps a `BlockPlans`: per block, gathered at its first decode step, the modules whose `native` switches
+Each layer keeps a `BlockPlans`: per block, gathered at its first use, the modules whose `native` switches
 it needs (read on every call), the weights it reads and its descriptor (dimensions and the packed weights'
 addresses, int64; epsilons and scales, fp32), rebuilt when any of those weights changes. Gathering once keeps the
 Python of a call to a few microseconds (walking the modules cost ~60 us a block at batch 1); it relies on the
@@ -44,9 +45,9 @@ from .norm import RMSNorm
 
 def attention_block(layer: torch.nn.Module, x: torch.Tensor, batch: StepBatch,
                     residual: torch.Tensor | None) -> torch.Tensor | None:
-    """`residual + self_attn(input_layernorm(x))` (no residual: the attention output) in one call on a pure decode
-    step: a KDA layer (states updated in their slots), a dense NoPE MLA or a DSA layer (the step's cache rows
-    written); None when the block does not apply (layers/fused_attention.py)."""
+    """`residual + self_attn(input_layernorm(x))` (no residual: the attention output) in one call: a KDA layer
+    (states updated in their slots; decode or prefill rows), or on a pure decode step a dense NoPE MLA or a DSA layer
+    (the step's cache rows written); None when the block does not apply (layers/fused_attention.py)."""
     plan = layer.block_plans.attention(layer)
     desc = plan.descriptor(x, residual) if plan is not None else None
     if desc is None:

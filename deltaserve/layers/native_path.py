@@ -19,10 +19,12 @@ import torch
 from ..ops.native import LINEAR_MAX_ROWS, native_usable
 
 MLP_MAX_ROWS = 8
-# Decode steps of up to this many sequences take the fused blocks and the decode stack (layers/fused_blocks.py):
-# above LINEAR_MAX_ROWS their products read the column packs, as the modules do. At 32 sequences a
-# kimi-linear-small step spent ~26 of ~110 ms outside the kernels, in the Python and torch glue between them.
-BLOCK_MAX_ROWS = 256
+# The fused blocks (layers/fused_blocks.py) and the decode stack take steps of up to this many rows (KDA and FFN
+# blocks any step's rows, MLA blocks and the stack decode steps): above LINEAR_MAX_ROWS their products read the
+# column packs, as the modules do. At 32 sequences a kimi-linear-small decode step spent ~26 of ~110 ms outside
+# the kernels, in the Python and torch glue between them; a 128-token prefill ~30 of ~170 ms. The bound caps a
+# block's scratch (~25 KiB a row on kimi-linear-small's KDA block).
+BLOCK_MAX_ROWS = 8192
 
 __all__ = ["BLOCK_MAX_ROWS", "LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "takes_native", "enable_native_kernels", "switch_modules"]
 

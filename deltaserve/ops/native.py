@@ -99,7 +99,7 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_router.argtypes = [_P, _I, _I, _I, _P, _P, _I, ctypes.c_int, _I, _I, _I, ctypes.c_int, _F, _P, _P,
                               ctypes.c_int]
     lib.ds_router.restype = ctypes.c_int
-    lib.ds_kda_block.argtypes = [_P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _P, ctypes.c_int]
+    lib.ds_kda_block.argtypes = [_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _I, _P, ctypes.c_int]
     lib.ds_kda_block.restype = None
     lib.ds_moe_block.argtypes = [_P, _P, _P, _P, _I, _P, ctypes.c_int]
     lib.ds_moe_block.restype = ctypes.c_int

@@ -33,31 +33,51 @@ static void product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, int64_t ro
     }
 }
 
-/* out = bf16(r + a), or out = a when there is no r. */
-static void residual_add(const bf16 *r, const bf16 *a, int64_t n, bf16 *out) {
+/* out = bf16(r + a), or out = a when there is no r. A prefill chunk's rows (2,048 x 1,024 elements: ~3 ms one
+ * element at a time) run 16 lanes at a time over the threads. */
+static void residual_add(const bf16 *r, const bf16 *a, int64_t n, bf16 *out, int nthreads) {
     if (r == NULL) {
         if (out != a) memcpy(out, a, sizeof(bf16) * (size_t)n);
         return;
     }
-    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(r[i]) + bf16_to_f32(a[i]));
+    int64_t chunks = (n + 4095) / 4096;
+#pragma omp parallel for num_threads(chunks > 1 ? nthreads : 1) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t i = c * 4096, end = i + 4096 < n ? i + 4096 : n;
+#if defined(__AVX512F__)
+        for (; i + 16 <= end; i += 16) {
+            __m512 rv = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r + i))), 16));
+            __m512 av = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + i))), 16));
+            store_bf16_16(out + i, (__mmask16)0xffff, _mm512_add_ps(rv, av));
+        }
+#endif
+        for (; i < end; i++) out[i] = f32_to_bf16(bf16_to_f32(r[i]) + bf16_to_f32(a[i]));
+    }
 }
 
-/* out = r + KDA(rmsnorm(x)) for N decode tokens, one per sequence, states in place in their slots
- * (layers/kda.py for the math and roundings). The input projections are stacked q | k | v | f_a | b | g
+/* out = r + KDA(rmsnorm(x)) for N tokens of nseq sequences, sequence b's rows cu[b] .. cu[b+1] (cu NULL: a decode
+ * step, one token per sequence, nseq = N), states in place in their slots (layers/kda.py for the math and
+ * roundings: its decode and varlen calls are this one ds_kda_step). The input projections are stacked q | k | v | f_a | b | g
  * (g: g_a of width K, or the full-rank gate of width H K when desc[KB_W_GB] is 0), packed; f_b and g_b are
  * K -> H K, o_proj H K -> D, each row-packed (KB_W_*) and column-packed (KB_C_*; read above LINEAR_MAX_ROWS
  * rows). conv [slots, 3 H K, W-1] and rec [slots, H, K, K] at the given slot
- * strides; slots [N] (< 0: padding, no state touched). x, r (NULL: none) and out [N, D] bf16 contiguous. */
-void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
-                  const int64_t *slots, float *conv, int64_t conv_stride, float *rec, int64_t rec_stride, bf16 *out,
-                  int nthreads) {
+ * strides; slots [nseq] (< 0: padding, no state touched). x, r (NULL: none) and out [N, D] bf16 contiguous. */
+void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N, int64_t nseq,
+                  const int64_t *cu_rows, const int64_t *slots, float *conv, int64_t conv_stride, float *rec,
+                  int64_t rec_stride, bf16 *out, int nthreads) {
     int64_t D = desc[KB_D], H = desc[KB_H], K = desc[KB_K], W = desc[KB_W], NIN = desc[KB_NIN], P = H * K;
     int full_rank = desc[KB_W_GB] == 0;
-    bf16 *x = malloc(sizeof(bf16) * (size_t)(N * (D + NIN + 3 * P + D)));
-    bf16 *y = x + N * D, *u = y + N * NIN, *gate = u + N * P, *o = gate + N * P, *a = o + N * P;
-    float *g = malloc(sizeof(float) * (size_t)(N * (2 * P + H))), *core = g + N * P, *beta = core + N * P;
-    int64_t *cu = malloc(sizeof(int64_t) * (size_t)(N + 1));
-    for (int64_t i = 0; i <= N; i++) cu[i] = i;
+    /* one allocation a buffer: a prefill chunk's scratch in one piece would pass glibc's largest mmap threshold
+     * (32 MiB) and be mapped afresh, page faults and all, on every call (2,048 rows: 0.4 s a prefill step) */
+    bf16 *x = malloc(sizeof(bf16) * (size_t)(N * D)), *y = malloc(sizeof(bf16) * (size_t)(N * NIN));
+    bf16 *u = malloc(sizeof(bf16) * (size_t)(N * P)), *gate = malloc(sizeof(bf16) * (size_t)(N * P));
+    bf16 *o = malloc(sizeof(bf16) * (size_t)(N * P)), *a = malloc(sizeof(bf16) * (size_t)(N * D));
+    float *g = malloc(sizeof(float) * (size_t)(N * P)), *core = malloc(sizeof(float) * (size_t)(N * P));
+    float *beta = malloc(sizeof(float) * (size_t)(N * H));
+    int64_t *cu = malloc(sizeof(int64_t) * (size_t)(nseq + 1));
+    for (int64_t i = 0; i <= nseq; i++) cu[i] = cu_rows ? cu_rows[i] : i;
 
     ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[KB_NORM_W], fdesc[KBF_EPS], x, nthreads);
     product(x, N, D, D, desc[KB_W_IN], desc[KB_C_IN], NIN, y, nthreads);
@@ -74,15 +94,14 @@ void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, cons
         for (int64_t i = 0; i < N; i++) memcpy(gate + i * P, g_in + i * NIN, sizeof(bf16) * (size_t)P);
     ds_kda_gate(u, P, b, NIN, N, H, K, (const float *)desc[KB_DT_BIAS], (const float *)desc[KB_A_LOG],
                 fdesc[KBF_LOWER_BOUND], g, beta, nthreads);
-    ds_kda_step(N, cu, H, K, y, NIN, 1, (const float *)desc[KB_CONV_W], W, conv, conv_stride, g, beta,
+    ds_kda_step(nseq, cu, H, K, y, NIN, 1, (const float *)desc[KB_CONV_W], W, conv, conv_stride, g, beta,
                 fdesc[KBF_SCALE], rec, rec_stride, slots, core, nthreads);
     ds_gated_rmsnorm_bf16(core, N * H, K, gate, K, (const float *)desc[KB_ONORM_W], fdesc[KBF_ONORM_EPS], o,
                           nthreads);
     product(o, N, P, P, desc[KB_W_O], desc[KB_C_O], D, a, nthreads);
-    residual_add(r, a, N * D, out);
-    free(x);
-    free(g);
-    free(cu);
+    residual_add(r, a, N * D, out, nthreads);
+    void *buffers[] = {x, y, u, gate, o, a, g, core, beta, cu};
+    for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
 }
 
 enum { MB_D, MB_NORM_W, MB_E, MB_I, MB_K, MB_ROUTER_W, MB_BIAS, MB_SOFTMAX, MB_GROUPS, MB_TOPK_GROUP, MB_RENORM,
@@ -94,8 +113,8 @@ enum { MBF_EPS, MBF_SCALE, MBF_BETA, MBF_LIN_BETA, MBF_LATENT_EPS };
  * fused expert kernel over the column-packed stacks, experts.c; with a latent width L > 0, K3's latent form: the
  * experts run on down(x) [T, L], their output optionally RMS-normed, then up to D) plus a shared or dense gated MLP
  * (shared width > 0: the expert kernel with one expert of weight 1, on its row packs MB_S* up to MLP_MAX_ROWS tokens
- * and its column packs MB_C_* above, as layers/mlp.py), the two outputs each rounded to bf16 and summed in bf16
- * (layers/moe.py, layers/mlp.py). x, r (NULL: none) and out [T, D] bf16 contiguous. Returns 0, or -1
+ * and its column packs MB_C_* above, as layers/mlp.py; above MLP_MAX_ROWS a plain MoE's shared MLP runs in the
+ * routed pass), the two outputs each rounded to bf16 and summed in bf16 (layers/moe.py, layers/mlp.py). x, r (NULL: none) and out [T, D] bf16 contiguous. Returns 0, or -1
  * (nothing written) when the router rejects its shape. */
 int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t T, bf16 *out,
                  int nthreads) {
@@ -103,11 +122,20 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     int64_t L = desc[MB_LATENT], DE = L > 0 ? L : D; /* the experts' input and output width */
     int act = (int)desc[MB_ACT];
     int64_t hrows = (E > 0 ? T * k * I : 0) + T * IS;
-    bf16 *x = malloc(sizeof(bf16) * (size_t)(3 * T * D + 3 * T * DE + hrows)), *routed = x + T * D;
-    bf16 *shared = routed + T * D, *xe = shared + T * D, *ye = xe + T * DE, *yn = ye + T * DE, *hbuf = yn + T * DE;
+    /* one allocation a buffer, as ds_kda_block's */
+    bf16 *x = malloc(sizeof(bf16) * (size_t)(T * D)), *routed = malloc(sizeof(bf16) * (size_t)(T * D));
+    bf16 *shared = malloc(sizeof(bf16) * (size_t)(T * D)), *hbuf = malloc(sizeof(bf16) * (size_t)(hrows > 0 ? hrows : 1));
+    bf16 *xe = NULL, *ye = NULL, *yn = NULL;
+    if (L > 0) {
+        xe = malloc(sizeof(bf16) * (size_t)(T * DE));
+        ye = malloc(sizeof(bf16) * (size_t)(T * DE));
+        yn = malloc(sizeof(bf16) * (size_t)(T * DE));
+    }
     int64_t *experts = malloc(sizeof(int64_t) * (size_t)(T * (k > 1 ? k : 1)));
     float *weights = malloc(sizeof(float) * (size_t)(T * (k > 1 ? k : 1)));
-    int bad = 0;
+    /* above MLP_MAX_ROWS a plain MoE's shared MLP runs in the routed experts' pass, as layers/moe.py does (at 2,048
+     * rows its products overlap the experts' weight stream: ~4% of the FFN) */
+    int bad = 0, in_pass = E > 0 && L == 0 && IS > 0 && T > MLP_MAX_ROWS;
     ds_rmsnorm_bf16(xin, T, D, D, (const bf16 *)desc[MB_NORM_W], fdesc[MBF_EPS], x, nthreads);
     if (E > 0) {
         bad = ds_router(x, T, D, D, (const float *)desc[MB_ROUTER_W], (const float *)desc[MB_BIAS], E,
@@ -118,7 +146,8 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
         if (!bad)
             bad = ds_moe_bf16(L > 0 ? xe : x, T, DE, experts, weights, k, (const bf16 *)desc[MB_W1],
                               (const bf16 *)desc[MB_W3], (const bf16 *)desc[MB_W2], E, I, 2, act, fdesc[MBF_BETA],
-                              fdesc[MBF_LIN_BETA], NULL, NULL, NULL, 0, 1, hbuf, L > 0 ? ye : routed, nthreads);
+                              fdesc[MBF_LIN_BETA], (const bf16 *)desc[MB_C_S1], (const bf16 *)desc[MB_C_S3],
+                              (const bf16 *)desc[MB_C_S2], in_pass ? IS : 0, 1, hbuf, L > 0 ? ye : routed, nthreads);
         if (!bad && L > 0) {
             const bf16 *latent_out = ye;
             if (desc[MB_LATENT_NORM_W]) {
@@ -129,7 +158,7 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
             linear_1(latent_out, T, L, (const bf16 *)desc[MB_W_UP], D, routed, nthreads);
         }
     }
-    if (!bad && IS > 0) {
+    if (!bad && IS > 0 && !in_pass) {
         for (int64_t t = 0; t < T; t++) {
             experts[t] = 0;
             weights[t] = 1.f;
@@ -140,14 +169,13 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
                     cols ? 2 : 1, act, fdesc[MBF_BETA], fdesc[MBF_LIN_BETA], NULL, NULL, NULL, 0,
                     1, hbuf + (E > 0 ? T * k * I : 0), shared, nthreads);
         if (E > 0)
-            residual_add(routed, shared, T * D, routed);
+            residual_add(routed, shared, T * D, routed, nthreads);
         else
             memcpy(routed, shared, sizeof(bf16) * (size_t)(T * D));
     }
-    if (!bad) residual_add(r, routed, T * D, out);
-    free(x);
-    free(experts);
-    free(weights);
+    if (!bad) residual_add(r, routed, T * D, out, nthreads);
+    void *buffers[] = {x, routed, shared, hbuf, xe, ye, yn, experts, weights};
+    for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
     return bad;
 }
 
@@ -258,7 +286,7 @@ int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
                               selected, nsel, pages, ld, nrows, pages_bf16, fdesc[ABF_SCALE], vals, nthreads);
     if (!bad) {
         product(vals, N, H * V, H * V, desc[AB_W_O], desc[AB_C_O], D, a, nthreads);
-        residual_add(r, a, N * D, out);
+        residual_add(r, a, N * D, out, nthreads);
     }
     free(x);
     return bad;
@@ -386,7 +414,7 @@ int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
             o = gated;
         }
         linear_1(o, N, H * V, (const bf16 *)desc[DB_W_O], D, a, nthreads);
-        residual_add(r, a, N * D, out);
+        residual_add(r, a, N * D, out, nthreads);
     }
     free(x);
     return bad;

@@ -56,9 +56,9 @@ void ds_attn_res_mix(const int64_t *src, int64_t S, int64_t N, int64_t D, const 
                      float eps, bf16 *out, int nthreads);
 
 /* blocks.c: the fused decode blocks; stack.c: a decode step of a whole decoder stack. */
-void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
-                  const int64_t *slots, float *conv, int64_t conv_stride, float *rec, int64_t rec_stride, bf16 *out,
-                  int nthreads);
+void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N, int64_t nseq,
+                  const int64_t *cu_rows, const int64_t *slots, float *conv, int64_t conv_stride, float *rec,
+                  int64_t rec_stride, bf16 *out, int nthreads);
 int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t T, bf16 *out,
                  int nthreads);
 int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,

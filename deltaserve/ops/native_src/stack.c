@@ -33,8 +33,8 @@ int64_t ds_decode_stack(const int64_t *program, int64_t nops, int64_t N, int64_t
         int failed = 0;
         switch (op[0]) {
         case SOP_KDA:
-            ds_kda_block(PTR(const int64_t *, op[5]), PTR(const float *, op[6]), REG(op[2]), REG(op[3]), N, slots,
-                         PTR(float *, op[7]), op[8], PTR(float *, op[9]), op[10], REG(op[4]), nthreads);
+            ds_kda_block(PTR(const int64_t *, op[5]), PTR(const float *, op[6]), REG(op[2]), REG(op[3]), N, N, NULL,
+                         slots, PTR(float *, op[7]), op[8], PTR(float *, op[9]), op[10], REG(op[4]), nthreads);
             break;
         case SOP_MLA:
             failed = ds_mla_block(PTR(const int64_t *, op[5]), PTR(const float *, op[6]), REG(op[2]), REG(op[3]), N,
