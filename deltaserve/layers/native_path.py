@@ -26,7 +26,8 @@ MLP_MAX_ROWS = 8
 # block's scratch (~25 KiB a row on kimi-linear-small's KDA block).
 BLOCK_MAX_ROWS = 8192
 
-__all__ = ["BLOCK_MAX_ROWS", "LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "takes_native", "enable_native_kernels", "switch_modules"]
+__all__ = ["BLOCK_MAX_ROWS", "LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "takes_native", "enable_native_kernels",
+           "switch_modules"]
 
 
 def takes_native(x: torch.Tensor, max_rows: int | None) -> bool:

@@ -59,18 +59,18 @@ static void residual_add(const bf16 *r, const bf16 *a, int64_t n, bf16 *out, int
 
 /* out = r + KDA(rmsnorm(x)) for N tokens of nseq sequences, sequence b's rows cu[b] .. cu[b+1] (cu NULL: a decode
  * step, one token per sequence, nseq = N), states in place in their slots (layers/kda.py for the math and
- * roundings: its decode and varlen calls are this one ds_kda_step). The input projections are stacked q | k | v | f_a | b | g
- * (g: g_a of width K, or the full-rank gate of width H K when desc[KB_W_GB] is 0), packed; f_b and g_b are
- * K -> H K, o_proj H K -> D, each row-packed (KB_W_*) and column-packed (KB_C_*; read above LINEAR_MAX_ROWS
- * rows). conv [slots, 3 H K, W-1] and rec [slots, H, K, K] at the given slot
- * strides; slots [nseq] (< 0: padding, no state touched). x, r (NULL: none) and out [N, D] bf16 contiguous. */
+ * roundings: its decode and varlen calls are this one ds_kda_step). The input projections are stacked
+ * q | k | v | f_a | b | g (g: g_a of width K, or the full-rank gate of width H K when desc[KB_W_GB] is 0); f_b and
+ * g_b are K -> H K, o_proj H K -> D; each weight row-packed (KB_W_*) and column-packed (KB_C_*, read above
+ * LINEAR_MAX_ROWS rows). conv [slots, 3 H K, W-1] and rec [slots, H, K, K] at the given slot strides; slots [nseq]
+ * (< 0: padding, no state touched). x, r (NULL: none) and out [N, D] bf16 contiguous. */
 void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N, int64_t nseq,
                   const int64_t *cu_rows, const int64_t *slots, float *conv, int64_t conv_stride, float *rec,
                   int64_t rec_stride, bf16 *out, int nthreads) {
     int64_t D = desc[KB_D], H = desc[KB_H], K = desc[KB_K], W = desc[KB_W], NIN = desc[KB_NIN], P = H * K;
     int full_rank = desc[KB_W_GB] == 0;
-    /* one allocation a buffer: a prefill chunk's scratch in one piece would pass glibc's largest mmap threshold
-     * (32 MiB) and be mapped afresh, page faults and all, on every call (2,048 rows: 0.4 s a prefill step) */
+    /* one allocation a buffer: a prefill chunk's scratch in one piece (~50 MiB at 2,048 rows) would pass glibc's
+     * largest mmap threshold (32 MiB) and be mapped, and faulted in, afresh on every call (engine/heap.py) */
     bf16 *x = malloc(sizeof(bf16) * (size_t)(N * D)), *y = malloc(sizeof(bf16) * (size_t)(N * NIN));
     bf16 *u = malloc(sizeof(bf16) * (size_t)(N * P)), *gate = malloc(sizeof(bf16) * (size_t)(N * P));
     bf16 *o = malloc(sizeof(bf16) * (size_t)(N * P)), *a = malloc(sizeof(bf16) * (size_t)(N * D));
@@ -114,8 +114,9 @@ enum { MBF_EPS, MBF_SCALE, MBF_BETA, MBF_LIN_BETA, MBF_LATENT_EPS };
  * experts run on down(x) [T, L], their output optionally RMS-normed, then up to D) plus a shared or dense gated MLP
  * (shared width > 0: the expert kernel with one expert of weight 1, on its row packs MB_S* up to MLP_MAX_ROWS tokens
  * and its column packs MB_C_* above, as layers/mlp.py; above MLP_MAX_ROWS a plain MoE's shared MLP runs in the
- * routed pass), the two outputs each rounded to bf16 and summed in bf16 (layers/moe.py, layers/mlp.py). x, r (NULL: none) and out [T, D] bf16 contiguous. Returns 0, or -1
- * (nothing written) when the router rejects its shape. */
+ * routed pass), the two outputs each rounded to bf16 and summed in bf16 (layers/moe.py, layers/mlp.py). x, r
+ * (NULL: none) and out [T, D] bf16 contiguous. Returns 0, or -1 (nothing written) when the router rejects its
+ * shape. */
 int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t T, bf16 *out,
                  int nthreads) {
     int64_t D = desc[MB_D], E = desc[MB_E], I = desc[MB_I], k = desc[MB_K], IS = desc[MB_SHARED_I];
@@ -124,7 +125,8 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     int64_t hrows = (E > 0 ? T * k * I : 0) + T * IS;
     /* one allocation a buffer, as ds_kda_block's */
     bf16 *x = malloc(sizeof(bf16) * (size_t)(T * D)), *routed = malloc(sizeof(bf16) * (size_t)(T * D));
-    bf16 *shared = malloc(sizeof(bf16) * (size_t)(T * D)), *hbuf = malloc(sizeof(bf16) * (size_t)(hrows > 0 ? hrows : 1));
+    bf16 *shared = malloc(sizeof(bf16) * (size_t)(T * D));
+    bf16 *hbuf = malloc(sizeof(bf16) * (size_t)(hrows > 0 ? hrows : 1));
     bf16 *xe = NULL, *ye = NULL, *yn = NULL;
     if (L > 0) {
         xe = malloc(sizeof(bf16) * (size_t)(T * DE));

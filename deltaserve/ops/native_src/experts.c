@@ -286,9 +286,9 @@ void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const b
 }
 
 /* Per head h < H: out[:, h] = x[:, h] W_h^T, for rows of x at stride ldx with head h at column h * hx, W_h [N, K]
- * column-packed one after another (pack_columns of [H, N, K]), out [M, H * N] contiguous; each output rounded to bf16 once from its fp32
- * sum, as ds_linear_columns (which is the case H = 1). All heads' column blocks share one parallel loop: MLA's
- * absorbed products at decode are 8 heads of 1-8 blocks each (layers/mla.py). */
+ * column-packed one after another (pack_columns of [H, N, K]), out [M, H * N] contiguous; each output rounded to
+ * bf16 once from its fp32 sum, as ds_linear_columns (which is the case H = 1). All heads' column blocks share one
+ * parallel loop: MLA's absorbed products at decode are 8 heads of 2-8 blocks each (layers/mla.py). */
 void ds_heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const bf16 *w,
                       int64_t N, bf16 *out, int tiles, int nthreads) {
     const bf16 **rows = malloc(sizeof(bf16 *) * (size_t)(H * M));
