@@ -43,17 +43,8 @@ static void residual_add(const bf16 *r, const bf16 *a, int64_t n, bf16 *out, int
     int64_t chunks = (n + 4095) / 4096;
 #pragma omp parallel for num_threads(chunks > 1 ? nthreads : 1) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
-        int64_t i = c * 4096, end = i + 4096 < n ? i + 4096 : n;
-#if defined(__AVX512F__)
-        for (; i + 16 <= end; i += 16) {
-            __m512 rv = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r + i))), 16));
-            __m512 av = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + i))), 16));
-            store_bf16_16(out + i, (__mmask16)0xffff, _mm512_add_ps(rv, av));
-        }
-#endif
-        for (; i < end; i++) out[i] = f32_to_bf16(bf16_to_f32(r[i]) + bf16_to_f32(a[i]));
+        int64_t i = c * 4096, len = n - i < 4096 ? n - i : 4096;
+        add_bf16(r + i, a + i, len, out + i);
     }
 }
 

@@ -219,6 +219,22 @@ static inline void store_bf16_16(bf16 *dst, __mmask16 m, __m512 x) {
 }
 #endif
 
+/* out[c] = bf16(a[c] + b[c]) for n elements: two bf16 tensors added as torch adds them (fp32 sum, rounded once);
+ * out may be a or b. */
+static inline void add_bf16(const bf16 *a, const bf16 *b, int64_t n, bf16 *out) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16) {
+        __m512 x = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + c))), 16));
+        __m512 y = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + c))), 16));
+        store_bf16_16(out + c, (__mmask16)0xffff, _mm512_add_ps(x, y));
+    }
+#endif
+    for (; c < n; c++) out[c] = f32_to_bf16(bf16_to_f32(a[c]) + bf16_to_f32(b[c]));
+}
+
 static inline void vexp(float *out, const float *in, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512F__)

@@ -161,22 +161,6 @@ static inline void combine_row(const bf16 *y, const float *wt, int64_t k, int64_
     }
 }
 
-/* out[c] = bf16(out[c] + s[c]) for n columns: the shared expert's output row s (bf16), added to the routed sum as
- * the reference adds two bf16 tensors. */
-static inline void add_shared_row(const bf16 *s, int64_t n, bf16 *out) {
-    int64_t c = 0;
-#if defined(__AVX512F__)
-    for (; c + 16 <= n; c += 16) {
-        __m512 o = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(out + c))), 16));
-        __m512 v = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + c))), 16));
-        store_bf16_16(out + c, (__mmask16)0xffff, _mm512_add_ps(o, v));
-    }
-#endif
-    for (; c < n; c++) out[c] = f32_to_bf16(bf16_to_f32(out[c]) + bf16_to_f32(s[c]));
-}
-
 /* ds_moe_bf16 over column-packed w1, w3 [E] x [I, D] and w2 [E] x [D, I] (see products.c for the contract and
  * the roundings, which are the same; only the order of each dot product's fp32 sum differs). The pairs are
  * grouped by expert (order/start/used as there); xrows/hrows are the pairs' input and hidden rows in that order,
@@ -260,7 +244,7 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, 
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             combine_row(y + t * k * D, weights + t * k, k, D, out + t * D);
-            if (sh) add_shared_row(ys + t * D, D, out + t * D);
+            if (sh) add_bf16(out + t * D, ys + t * D, D, out + t * D); /* + the shared expert, as two bf16 tensors */
         }
         free(g);
         free(u);
