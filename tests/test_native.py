@@ -578,3 +578,22 @@ def test_linear_heads_columns_is_linear_columns_per_head(T, K, N):
         _assert_rounded_product(y[:, h], x[:, h], w[h])
     with pytest.raises(ValueError, match="pack_columns"):
         native.linear_heads_columns(x, native.pack_rows(w), N)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 33, 1000, 32000])
+def test_argmax_rows_is_torch_argmax(n):
+    """The greedy pick against torch.argmax: ties to the first index, the first NaN of a row with NaNs (in the
+    vector part or the tail), all -inf, -0 against +0, random rows, on rows at a stride."""
+    g = torch.Generator().manual_seed(n)
+    wide = torch.randn(9, n + 5, generator=g)
+    x = wide[:, :n]
+    if n > 1:
+        x[1, n // 3] = x[1, n - 1] = x[1].max() + 1.0  # a tie: the first wins
+        x[2, n - 1] = float("nan")  # a NaN in the tail
+        x[3, n // 2] = x[3, n - 1] = float("nan")
+        x[5, 0], x[5, n - 1] = -0.0, 0.0
+        x[5, 1:n - 1] = -1.0
+    x[4] = float("-inf")
+    x[6] = 7.0
+    assert torch.equal(native.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(native.argmax_rows(x[:1]), x[:1].argmax(dim=-1))

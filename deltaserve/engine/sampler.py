@@ -24,6 +24,7 @@ from typing import Iterable, Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from ..ops.native import argmax_rows
 from .sampling_params import SamplingParams
 
 LogprobsMode = Literal["penalized", "raw"]
@@ -138,11 +139,11 @@ class Sampler:
 
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         rand = [i for i, s in enumerate(states) if not s.params.greedy]
-        # torch.argmax returns the first maximal index, i.e. ties go to the lowest id
-        tokens = work.argmax(dim=-1) if len(greedy) == batch else torch.empty(batch, dtype=torch.long,
-                                                                               device=work.device)
+        # argmax_rows (torch.argmax's native twin) returns the first maximal index, i.e. ties go to the lowest id
+        tokens = argmax_rows(work) if len(greedy) == batch else torch.empty(batch, dtype=torch.long,
+                                                                             device=work.device)
         if greedy and rand:
-            tokens[greedy] = work[greedy].argmax(dim=-1)
+            tokens[greedy] = argmax_rows(work[greedy])
         if rand:
             probs = _filtered_probs(work[rand], [states[i].params for i in rand])
             tokens[rand] = self._race(probs, [states[i] for i in rand])

@@ -1,6 +1,7 @@
 """The native CPU kernels (`native_src/`: products.c, experts.c, tiles.c, attention.c, blocks.c, indexer.c, stack.c,
-common.h, kernels.h): built once per machine, loaded through ctypes. On CPUs with AMX-BF16 the column-packed products
-(linears above 4 rows, the routed and shared experts) run on the tile unit from 4 rows up (`tiles_usable`).
+sampling.c, common.h, kernels.h): built once per machine, loaded through ctypes. On CPUs with AMX-BF16 the
+column-packed products (linears above 4 rows, the routed and shared experts) run on the tile unit from 4 rows up
+(`tiles_usable`).
 
 The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
 into the cache folder (`envs.cache_dir()`), under a name that hashes the sources, the flags and the compiler, so
@@ -82,6 +83,8 @@ def native_library() -> ctypes.CDLL | None:
     lib.ds_linear_columns.restype = None
     lib.ds_heads_columns.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _P, ctypes.c_int, ctypes.c_int]
     lib.ds_heads_columns.restype = None
+    lib.ds_argmax_rows.argtypes = [_P, _I, _I, _I, _P, ctypes.c_int]
+    lib.ds_argmax_rows.restype = None
     lib.ds_tiles_usable.argtypes = []
     lib.ds_tiles_usable.restype = ctypes.c_int
     lib.ds_kda_step.argtypes = [_I, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P,
@@ -258,6 +261,18 @@ def linear_heads_columns(x: torch.Tensor, packed: torch.Tensor, n_out: int, tile
         native_library().ds_heads_columns(x.data_ptr(), T, x.stride(0), x.stride(1), H, K, packed.data_ptr(), n_out,
                                           y.data_ptr(), tiles, torch.get_num_threads())
     return y
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` for fp32 CPU rows x [B, V] with contiguous rows (the first of equal maxima, the first NaN
+    where a row has one), on the native kernel (native_src/sampling.c); torch's argmax, its twin, otherwise."""
+    lib = native_library()
+    if lib is None or not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
+                           and x.shape[1] > 0):
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.ds_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def rmsnorm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

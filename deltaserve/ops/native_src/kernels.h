@@ -70,6 +70,8 @@ int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
                  bf16 *out, int nthreads);
 void ds_index_select(const bf16 *q, const float *w, int64_t HI, int64_t DI, const int64_t *rows, int64_t n,
                      const void *keys, int64_t ldk, int keys_bf16, int64_t topk, int64_t *selected, int nthreads);
+/* sampling.c: the greedy pick. */
+void ds_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out, int nthreads);
 int64_t ds_decode_stack(const int64_t *program, int64_t nops, int64_t N, int64_t D, bf16 *regs, const int64_t *step,
                         int nthreads);
 
