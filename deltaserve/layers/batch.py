@@ -76,13 +76,28 @@ class StepBatch:
     @cached_property
     def decode_slots(self) -> torch.Tensor | None:
         """[B] int64 state slot of every sequence when this step is pure decode (one row per sequence, in order)
-        over a cache whose handles carry slots; else None. Built once per step, read by every KDA layer's fused
-        block (layers/fused_blocks.py), which also takes the step's prefix-cache snapshots: on such a step each
-        falls after its sequence's one token."""
+        over a cache whose handles carry slots; else None. Built once per step, read by the decode stack and, through
+        `kda_sequences`, by every KDA layer's fused block, which also takes the step's prefix-cache snapshots: on
+        such a step each falls after its sequence's one token."""
         if not self._one_row_each():
             return None
         slots = [getattr(h, "slot", None) for h in self.handles]
         return None if None in slots else torch.tensor(slots, dtype=torch.int64)
+
+    @cached_property
+    def kda_sequences(self) -> tuple[int, torch.Tensor | None, torch.Tensor] | None:
+        """(sequence count, [B+1] int64 row offsets or None when each sequence has one row, [B] int64 state slots)
+        of a step whose prefix-cache snapshots all fall at the end of their sequence's rows, over a cache whose
+        handles carry slots (a pure decode step: `decode_slots`); else None, as when a snapshot cuts a chunk.
+        Built once per step, read by every KDA layer's fused block (layers/fused_attention.py)."""
+        if self.decode_slots is not None:
+            return self.num_seqs, None, self.decode_slots
+        B = self.num_seqs
+        slots = [getattr(h, "slot", None) for h in self.handles]
+        inside = any(off != self.rows(i).stop - self.rows(i).start for i in range(B) for off, _ in self.snapshots(i))
+        if B == 0 or self.cache is None or len(slots) != B or None in slots or inside:
+            return None
+        return B, torch.tensor(self.query_start, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
 
     @cached_property
     def decode_context_rows(self) -> torch.Tensor | None:

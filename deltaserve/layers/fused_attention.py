@@ -73,9 +73,9 @@ def _kda_plan(attn: KimiDeltaAttention, norm: RMSNorm) -> Plan | None:
 
 def _run_kda(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
              residual: torch.Tensor | None) -> torch.Tensor | None:
-    pools = kda_pools(plan.module, batch.cache) if batch.cache is not None else None
-    sequences = _kda_sequences(batch, x.shape[0]) if pools is not None else None
-    if sequences is None:
+    sequences = batch.kda_sequences
+    pools = kda_pools(plan.module, batch.cache) if sequences is not None else None
+    if pools is None or batch.query_start[-1] != x.shape[0]:
         return None
     nseq, cu, slots = sequences
     conv, rec = pools
@@ -84,31 +84,15 @@ def _run_kda(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
                                          x.shape[0], nseq, address(cu), slots.data_ptr(), conv.data_ptr(),
                                          conv.stride(0), rec.data_ptr(), rec.stride(0), out.data_ptr(),
                                          torch.get_num_threads())
-    save_decode_checkpoints(plan.module, batch, conv, rec)
+    save_step_checkpoints(plan.module, batch, conv, rec)
     return out
 
 
-def _kda_sequences(batch: StepBatch, rows: int) -> tuple[int, torch.Tensor | None, torch.Tensor] | None:
-    """(sequence count, row offsets or None for one token each, state slots) of a step the KDA block takes: a pure
-    decode step, or any step whose prefix-cache snapshots all fall at the end of their sequence's rows (the module
-    cuts a chunk at a snapshot inside it: those steps stay on the module). The module runs every sequence of such a
-    step through the same ds_kda_step (its decode call and its one varlen round), so the block gives its result."""
-    slots = batch.decode_slots
-    if slots is not None and slots.numel() == rows:
-        return rows, None, slots
-    B = batch.num_seqs
-    if batch.query_start[-1] != rows or any(off != batch.rows(i).stop - batch.rows(i).start
-                                            for i in range(B) for off, _ in batch.snapshots(i)):
-        return None
-    slots = torch.tensor([batch.handle(i).slot for i in range(B)], dtype=torch.int64)
-    return B, torch.tensor(batch.query_start, dtype=torch.int64), slots
-
-
-def save_decode_checkpoints(attn: KimiDeltaAttention, batch: StepBatch, conv: torch.Tensor,
+def save_step_checkpoints(attn: KimiDeltaAttention, batch: StepBatch, conv: torch.Tensor,
                             rec: torch.Tensor) -> None:
-    """The prefix-cache snapshots of a step the KDA block ran, each at the end of its sequence's rows (one token
-    on a decode step): the slot's state after the step copied into the checkpoint, as the layer's module does
-    (layers/kda.py)."""
+    """The prefix-cache snapshots of a step the KDA block ran (the module's rule for which steps those are:
+    `StepBatch.kda_sequences`), each at the end of its sequence's rows (one token on a decode step): the slot's
+    state after the step copied into the checkpoint, as the layer's module does (layers/kda.py)."""
     if not any(batch.kda_snapshots):
         return
     for handle, snapshots in zip(batch.handles, batch.kda_snapshots):
@@ -130,7 +114,7 @@ def _mla_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor:
     linears = (attn.q_proj, attn.kv_a_proj_with_mqa, attn.o_proj)
     w_q, w_kva, w_o = map(native_pack, linears)
     c_q, c_kva, c_o = map(column_pack, linears)
-    (w_uk, w_uv), (c_uk, c_uv) = attn._kv_b_native(), attn._kv_b_columns()
+    (w_uk, w_uv), (c_uk, c_uv) = attn._kv_b_packs(columns=False), attn._kv_b_packs(columns=True)
     kva_norm = attn.kv_a_layernorm
     keep = [norm.weight, w_q, w_kva, kva_norm.weight, w_uk, w_uv, w_o, c_q, c_kva, c_uk, c_uv, c_o]
     ints = [attn.config.hidden_size, attn.H, attn.n, attn.rho, attn.v, attn.r, norm.weight.data_ptr(),
@@ -201,7 +185,7 @@ def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor | None:
     W = attn._fused_weights()
     if not {"w_a", "q_b_proj", "w_uk_t", "index_wq_b"} <= set(W.packed):
         return None
-    w_uv, w_o = attn._kv_b_native()[1], native_pack(attn.o_proj)
+    w_uv, w_o = attn._kv_b_packs(columns=False)[1], native_pack(attn.o_proj)
     keep = [norm.weight, W.packed["w_a"], W.packed["q_b_proj"], W.packed["w_uk_t"], W.packed["index_wq_b"], w_uv,
             w_o, W.q_a_norm, W.kv_a_norm, W.index_k_norm_weight, W.index_k_norm_bias]
     c = attn.config

@@ -25,7 +25,7 @@ import torch
 from ..ops import native
 from ..ops.attn_res import attn_res_mix
 from .batch import StepBatch
-from .fused_attention import dsa_pages, kda_pools, mla_pages, rotation, save_decode_checkpoints, step_rows
+from .fused_attention import dsa_pages, kda_pools, mla_pages, rotation, save_step_checkpoints, step_rows
 from .fused_plan import Plan, takes_block
 from .prepack import Derived
 
@@ -147,7 +147,7 @@ class DecodeStack:
         if any(batch.kda_snapshots):
             for attn, _ in self._plans:
                 if attn.kind == "kda":
-                    save_decode_checkpoints(attn.module, batch, *kda_pools(attn.module, batch.cache))
+                    save_step_checkpoints(attn.module, batch, *kda_pools(attn.module, batch.cache))
         return regs[program.output]
 
     def _layer_plans(self, model: torch.nn.Module) -> list[tuple[Plan, Plan]] | None:

@@ -74,8 +74,7 @@ class MLAttention(nn.Module):
         self._mlapo = Derived()  # the fused MLAPO weights
         self._mlapo_sources: list[torch.Tensor] | None = None
         self._kv_b_split = Derived()  # see _split_kv_b
-        self._kv_b_packed = Derived()  # see _kv_b_native
-        self._kv_b_packed_columns = Derived()  # see _kv_b_columns
+        self._kv_b_packed = {False: Derived(), True: Derived()}  # see _kv_b_packs
         self.native = False  # a few rows' absorptions through the native kernels (layers/native_path.py)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -200,20 +199,15 @@ class MLAttention(nn.Module):
             return w[:, :self.n].contiguous(), w[:, self.n:].transpose(1, 2).contiguous()
         return self._kv_b_split.get([self.kv_b_proj.weight], split)
 
-    def _kv_b_native(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK^T [H, r, n] and W_UV [H, v, r] row-packed for the native kernels' few rows, kept until kv_b_proj
-        changes."""
-        def pack():
-            w = self._kv_b_heads()
-            return pack_rows(w[:, :self.n].transpose(1, 2)), pack_rows(w[:, self.n:])
-        return self._kv_b_packed.get([self.kv_b_proj.weight], pack)
+    def _kv_b_packs(self, columns: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK^T [H, r, n] and W_UV [H, v, r] packed for the native kernels, row-packed (a few rows) or column-packed
+        (more), each kept until kv_b_proj changes."""
+        pack = pack_columns if columns else pack_rows
 
-    def _kv_b_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same two column-packed, for more rows, kept until kv_b_proj changes."""
-        def pack():
+        def build():
             w = self._kv_b_heads()
-            return pack_columns(w[:, :self.n].transpose(1, 2)), pack_columns(w[:, self.n:])
-        return self._kv_b_packed_columns.get([self.kv_b_proj.weight], pack)
+            return pack(w[:, :self.n].transpose(1, 2)), pack(w[:, self.n:])
+        return self._kv_b_packed[columns].get([self.kv_b_proj.weight], build)
 
     def _kv_b_heads(self) -> torch.Tensor:
         """kv_b_proj's weight per head: [H, n + v, r]."""
@@ -237,8 +231,8 @@ class MLAttention(nn.Module):
         same packs by row count). kimi-linear-small's two absorptions at 32 decode rows, weights warm, on the
         2-core Xeon: 0.40 ms a layer through torch's bmm, 0.25 ms here (at 8 rows 0.31 against 0.14)."""
         if x.shape[0] <= LINEAR_MAX_ROWS:
-            return linear_heads(x, self._kv_b_native()[which], n_out)
-        return linear_heads_columns(x, self._kv_b_columns()[which], n_out)
+            return linear_heads(x, self._kv_b_packs(columns=False)[which], n_out)
+        return linear_heads_columns(x, self._kv_b_packs(columns=True)[which], n_out)
 
     def packable_dtype(self) -> torch.dtype | None:
         """kv_b_proj's weight dtype (None for a quantized kv_b_proj: the absorptions then stay on torch)."""

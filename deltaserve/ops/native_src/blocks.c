@@ -13,19 +13,14 @@ enum { KB_D, KB_H, KB_K, KB_W, KB_NIN, KB_NORM_W, KB_W_IN, KB_W_FB, KB_W_GB, KB_
        KB_ONORM_W, KB_W_O, KB_C_IN, KB_C_FB, KB_C_GB, KB_C_O };
 enum { KBF_EPS, KBF_ONORM_EPS, KBF_LOWER_BOUND, KBF_SCALE };
 
-/* y [M, N] = x [M, K] (contiguous rows) @ W^T for one packed weight W [N, K]. */
-static void linear_1(const bf16 *x, int64_t M, int64_t K, const bf16 *packed, int64_t N, bf16 *y, int nthreads) {
-    int64_t task[7] = {(int64_t)packed, -1, N, (int64_t)y, N, (int64_t)x, K};
-    ds_linear_bf16(M, K, 1, task, nthreads);
-}
-
 /* y [M, N] (contiguous) = rows of x [M, K] at stride ldx @ W^T for one weight W [N, K] given in both native packs,
  * as the linears' own `native_product` picks them by row count (layers/prepack.py): the row-packed dot tiles
  * (`rows`) up to LINEAR_MAX_ROWS rows, the column pack (`cols`, on the tile unit where there is one) above. The
- * two forms sum in other fp32 orders, so a block takes the form its module would. */
+ * two forms sum in other fp32 orders, so a block takes the form its module would. A block that runs only a few
+ * rows (the DSA block, K3's latent projections) passes no column pack (0): the dot tiles at any count. */
 static void product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, int64_t rows, int64_t cols, int64_t N, bf16 *y,
                     int nthreads) {
-    if (M <= LINEAR_MAX_ROWS) {
+    if (M <= LINEAR_MAX_ROWS || cols == 0) {
         int64_t task[7] = {rows, -1, N, (int64_t)y, N, (int64_t)x, ldx};
         ds_linear_bf16(M, K, 1, task, nthreads);
     } else {
@@ -33,8 +28,8 @@ static void product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, int64_t ro
     }
 }
 
-/* out = bf16(r + a), or out = a when there is no r. A prefill chunk's rows (2,048 x 1,024 elements: ~3 ms one
- * element at a time) run 16 lanes at a time over the threads. */
+/* out = bf16(r + a), or out = a when there is no r; 16 lanes at a time, over the threads when there are more than
+ * 4,096 elements (a prefill chunk's rows). */
 static void residual_add(const bf16 *r, const bf16 *a, int64_t n, bf16 *out, int nthreads) {
     if (r == NULL) {
         if (out != a) memcpy(out, a, sizeof(bf16) * (size_t)n);
@@ -126,8 +121,9 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     }
     int64_t *experts = malloc(sizeof(int64_t) * (size_t)(T * (k > 1 ? k : 1)));
     float *weights = malloc(sizeof(float) * (size_t)(T * (k > 1 ? k : 1)));
-    /* above MLP_MAX_ROWS a plain MoE's shared MLP runs in the routed experts' pass, as layers/moe.py does (at 2,048
-     * rows its products overlap the experts' weight stream: ~4% of the FFN) */
+    /* above MLP_MAX_ROWS a plain MoE's shared MLP runs in the routed experts' pass, as layers/moe.py does: its
+     * products overlap the experts' weight stream (15 FFN layers at 2,048 rows with a separate call: 4-7% slower
+     * than the module in one process) */
     int bad = 0, in_pass = E > 0 && L == 0 && IS > 0 && T > MLP_MAX_ROWS;
     ds_rmsnorm_bf16(xin, T, D, D, (const bf16 *)desc[MB_NORM_W], fdesc[MBF_EPS], x, nthreads);
     if (E > 0) {
@@ -135,7 +131,7 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
                         (int)desc[MB_SOFTMAX], desc[MB_GROUPS], desc[MB_TOPK_GROUP], k, (int)desc[MB_RENORM],
                         fdesc[MBF_SCALE], experts, weights, nthreads);
         if (L > 0)
-            linear_1(x, T, D, (const bf16 *)desc[MB_W_DOWN], L, xe, nthreads);
+            product(x, T, D, D, desc[MB_W_DOWN], 0, L, xe, nthreads);
         if (!bad)
             bad = ds_moe_bf16(L > 0 ? xe : x, T, DE, experts, weights, k, (const bf16 *)desc[MB_W1],
                               (const bf16 *)desc[MB_W3], (const bf16 *)desc[MB_W2], E, I, 2, act, fdesc[MBF_BETA],
@@ -148,7 +144,7 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
                                 nthreads);
                 latent_out = yn;
             }
-            linear_1(latent_out, T, L, (const bf16 *)desc[MB_W_UP], D, routed, nthreads);
+            product(latent_out, T, L, L, desc[MB_W_UP], 0, D, routed, nthreads);
         }
     }
     if (!bad && IS > 0 && !in_pass) {
@@ -317,7 +313,7 @@ static int64_t *index_select(const int64_t *desc, const float *fdesc, const bf16
     bf16 *iq = malloc(sizeof(bf16) * (size_t)(N * HI * DI));
     float *w = malloc(sizeof(float) * (size_t)HI);
     int64_t *chosen = malloc(sizeof(int64_t) * (size_t)(N * TOPK));
-    linear_1(cq, N, desc[DB_RQ], (const bf16 *)desc[DB_W_IQ], HI * DI, iq, nthreads);
+    product(cq, N, desc[DB_RQ], desc[DB_RQ], desc[DB_W_IQ], 0, HI * DI, iq, nthreads);
     for (int64_t i = 0; i < N; i++) {
         if (cos_sin != NULL && IROPE > 0)
             for (int64_t h = 0; h < HI; h++)
@@ -360,9 +356,9 @@ int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     bf16 *vals = ik + N * DI, *gated = vals + N * H * V, *a = gated + N * H * V;
 
     ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[DB_NORM_W], fdesc[DBF_EPS], x, nthreads);
-    linear_1(x, N, D, (const bf16 *)desc[DB_W_A], NA, A, nthreads);
+    product(x, N, D, D, desc[DB_W_A], 0, NA, A, nthreads);
     ds_rmsnorm_bf16(A, N, RQ, NA, (const bf16 *)desc[DB_QA_NORM_W], fdesc[DBF_Q_EPS], cq, nthreads);
-    linear_1(cq, N, RQ, (const bf16 *)desc[DB_W_QB], QW, q, nthreads);
+    product(cq, N, RQ, RQ, desc[DB_W_QB], 0, QW, q, nthreads);
     ds_rmsnorm_bf16(A + KV0, N, R, NA, (const bf16 *)desc[DB_KVA_NORM_W], fdesc[DBF_KV_EPS], row, nthreads);
     for (int64_t i = N - 1; i >= 0; i--) { /* rows [c | k_pe], as in ds_mla_block */
         memmove(row + i * CW, row + i * R, sizeof(bf16) * (size_t)R);
@@ -406,7 +402,7 @@ int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
                 }
             o = gated;
         }
-        linear_1(o, N, H * V, (const bf16 *)desc[DB_W_O], D, a, nthreads);
+        product(o, N, H * V, H * V, desc[DB_W_O], 0, D, a, nthreads);
         residual_add(r, a, N * D, out, nthreads);
     }
     free(x);
