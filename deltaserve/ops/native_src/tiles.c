@@ -79,8 +79,13 @@ static void configure(int rows) {
 #ifndef TILE_PREFETCH
 #define TILE_PREFETCH 8192
 #endif
+#define GROUP_BYTES (TILE_PAIRS * 2 * 64 * (int)sizeof(bf16)) /* one group of a block: 4 KiB */
 /* acc [rows][64] = x rows [rows] (stride ldx) times the block's pairs [0, 16 * groups), rows <= 16. With `stream`
- * (the block's first pass, from DRAM) the weights TILE_PREFETCH bytes ahead are asked into L2. */
+ * (the block's first pass, from DRAM) the weights TILE_PREFETCH bytes ahead are asked into L2. On every pass the
+ * next group is asked into L1: the weight tiles' loads otherwise wait on L2 (2-core Xeon, one process, the library
+ * with and without it alternating, 13 rounds: 24 column products 128 x 1024 -> 3336 45.2 -> 38.5 ms, at 32 rows
+ * 16.2 -> 14.7, two LM heads of 32 rows 12.0 -> 10.8; 6 expert layers at 128 tokens 38.3 -> 36.0, at 32 27.2 ->
+ * 26.5; 1-3 KiB ahead alike). */
 static inline void tile_rows(const bf16 *x, int64_t ldx, int64_t groups, const bf16 *wb, int stream, float *acc) {
     _tile_zero(0);
     _tile_zero(1);
@@ -91,6 +96,8 @@ static inline void tile_rows(const bf16 *x, int64_t ldx, int64_t groups, const b
         if (TILE_PREFETCH && stream)
             for (int l = 0; l < TILE_PAIRS * 4; l++)
                 _mm_prefetch((const char *)wg + TILE_PREFETCH + 64 * l, _MM_HINT_T1);
+        for (int l = 0; l < TILE_PAIRS * 4; l++) /* the next group into L1, on every pass */
+            _mm_prefetch((const char *)wg + GROUP_BYTES + 64 * l, _MM_HINT_T0);
         _tile_loadd(4, x + g * 2 * TILE_PAIRS, ldx * (int64_t)sizeof(bf16));
         _tile_loadd(5, wg, 256);
         _tile_dpbf16ps(0, 4, 5);
