@@ -80,12 +80,23 @@ static void configure(int rows) {
 #define TILE_PREFETCH 8192
 #endif
 #define GROUP_BYTES (TILE_PAIRS * 2 * 64 * (int)sizeof(bf16)) /* one group of a block: 4 KiB */
-/* acc [rows][64] = x rows [rows] (stride ldx) times the block's pairs [0, 16 * groups), rows <= 16. With `stream`
- * (the block's first pass, from DRAM) the weights TILE_PREFETCH bytes ahead are asked into L2. On every pass the
- * next group is asked into L1: the weight tiles' loads otherwise wait on L2 (2-core Xeon, one process, the library
- * with and without it alternating, 13 rounds: 24 column products 128 x 1024 -> 3336 45.2 -> 38.5 ms, at 32 rows
- * 16.2 -> 14.7, two LM heads of 32 rows 12.0 -> 10.8; 6 expert layers at 128 tokens 38.3 -> 36.0, at 32 27.2 ->
- * 26.5; 1-3 KiB ahead alike). */
+/* The prefetches for quarter q of a group (16 of its 64 lines), issued before the quarter's product: the weights
+ * TILE_PREFETCH bytes ahead into L2 on the block's first pass (`stream`, from DRAM), the next group into L1 on
+ * every pass (the weight tiles' loads otherwise wait on L2). Issued a quarter at a time between the products, not
+ * all 128 at the top of the group, where they stalled on the full fill buffers and held the products back (perf:
+ * ~45% of the samples of this file on the instructions after the two prefetch loops, at a 128-token prefill). One
+ * process on the 2-core Xeon, the library builds alternating, 13 rounds, at the top -> spread: 24 column products
+ * 128 x 1024 -> 3336 37.3 -> 31.1 ms, at 32 rows 13.3 -> 11.6, two LM heads of 32 rows 9.5 -> 8.2; 6 expert
+ * layers at 128 tokens 30.6 -> 28.2, at 32 the same. */
+static inline void ask_ahead(const bf16 *wg, int q, int stream) {
+    const char *line = (const char *)wg + 64 * 16 * q;
+    if (TILE_PREFETCH && stream)
+        for (int l = 0; l < 16; l++) _mm_prefetch(line + TILE_PREFETCH + 64 * l, _MM_HINT_T1);
+    for (int l = 0; l < 16; l++) _mm_prefetch(line + GROUP_BYTES + 64 * l, _MM_HINT_T0);
+}
+
+/* acc [rows][64] = x rows [rows] (stride ldx) times the block's pairs [0, 16 * groups), rows <= 16; `stream`: the
+ * block's first pass (ask_ahead). */
 static inline void tile_rows(const bf16 *x, int64_t ldx, int64_t groups, const bf16 *wb, int stream, float *acc) {
     _tile_zero(0);
     _tile_zero(1);
@@ -93,18 +104,17 @@ static inline void tile_rows(const bf16 *x, int64_t ldx, int64_t groups, const b
     _tile_zero(3);
     for (int64_t g = 0; g < groups; g++) {
         const bf16 *wg = wb + g * TILE_PAIRS * 2 * 64;
-        if (TILE_PREFETCH && stream)
-            for (int l = 0; l < TILE_PAIRS * 4; l++)
-                _mm_prefetch((const char *)wg + TILE_PREFETCH + 64 * l, _MM_HINT_T1);
-        for (int l = 0; l < TILE_PAIRS * 4; l++) /* the next group into L1, on every pass */
-            _mm_prefetch((const char *)wg + GROUP_BYTES + 64 * l, _MM_HINT_T0);
+        ask_ahead(wg, 0, stream);
         _tile_loadd(4, x + g * 2 * TILE_PAIRS, ldx * (int64_t)sizeof(bf16));
         _tile_loadd(5, wg, 256);
         _tile_dpbf16ps(0, 4, 5);
+        ask_ahead(wg, 1, stream);
         _tile_loadd(6, wg + 32, 256);
         _tile_dpbf16ps(1, 4, 6);
+        ask_ahead(wg, 2, stream);
         _tile_loadd(5, wg + 64, 256);
         _tile_dpbf16ps(2, 4, 5);
+        ask_ahead(wg, 3, stream);
         _tile_loadd(6, wg + 96, 256);
         _tile_dpbf16ps(3, 4, 6);
     }
