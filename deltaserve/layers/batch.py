@@ -79,8 +79,11 @@ class StepBatch:
         over a cache whose handles carry slots; else None. Built once per step, read by the decode stack and, through
         `kda_sequences`, by every KDA layer's fused block, which also takes the step's prefix-cache snapshots: on
         such a step each falls after its sequence's one token."""
-        if not self._one_row_each():
-            return None
+        return self._handle_slots if self._one_row_each() else None
+
+    @cached_property
+    def _handle_slots(self) -> torch.Tensor | None:
+        """[B] int64 state slot of every sequence's handle, or None when a handle carries none."""
         slots = [getattr(h, "slot", None) for h in self.handles]
         return None if None in slots else torch.tensor(slots, dtype=torch.int64)
 
@@ -92,12 +95,12 @@ class StepBatch:
         Built once per step, read by every KDA layer's fused block (layers/fused_attention.py)."""
         if self.decode_slots is not None:
             return self.num_seqs, None, self.decode_slots
-        B = self.num_seqs
-        slots = [getattr(h, "slot", None) for h in self.handles]
-        inside = any(off != self.rows(i).stop - self.rows(i).start for i in range(B) for off, _ in self.snapshots(i))
-        if B == 0 or self.cache is None or len(slots) != B or None in slots or inside:
+        B, slots = self.num_seqs, self._handle_slots
+        if B == 0 or self.cache is None or slots is None or slots.numel() != B:
             return None
-        return B, torch.tensor(self.query_start, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+        if any(off != self.rows(i).stop - self.rows(i).start for i in range(B) for off, _ in self.snapshots(i)):
+            return None  # a snapshot inside a chunk: the module cuts the chunk there
+        return B, torch.tensor(self.query_start, dtype=torch.int64), slots
 
     @cached_property
     def decode_context_rows(self) -> torch.Tensor | None:

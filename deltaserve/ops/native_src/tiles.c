@@ -88,7 +88,7 @@ static void configure(int rows) {
  * process on the 2-core Xeon, the library builds alternating, 13 rounds, at the top -> spread: 24 column products
  * 128 x 1024 -> 3336 37.3 -> 31.1 ms, at 32 rows 13.3 -> 11.6, two LM heads of 32 rows 9.5 -> 8.2; 6 expert
  * layers at 128 tokens 30.6 -> 28.2, at 32 the same. */
-static inline void ask_ahead(const bf16 *wg, int q, int stream) {
+static inline __attribute__((always_inline)) void ask_ahead(const bf16 *wg, int q, int stream) {
     const char *line = (const char *)wg + 64 * 16 * q;
     if (TILE_PREFETCH && stream)
         for (int l = 0; l < 16; l++) _mm_prefetch(line + TILE_PREFETCH + 64 * l, _MM_HINT_T1);
