@@ -81,6 +81,14 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     add_output_args(sv)
     sv.set_defaults(func=_handler("bench_serve", "run_serve"))
 
+    sk = bs.add_parser("soak", help="many clients against a real server for minutes, preemption forced: errors, "
+                                    "pool integrity, memory growth")
+    from .bench_soak import add_soak_args
+
+    add_soak_args(sk)
+    add_output_args(sk)
+    sk.set_defaults(func=_handler("bench_soak", "run_soak"))
+
     qb = _engine_parser(bs, "quant", "weight schemes and cache dtypes: bytes, decode speed, agreement and KL",
                         "bench_quant", "run_quant")
     from .bench_quant import add_quant_args
