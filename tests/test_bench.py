@@ -120,3 +120,18 @@ def test_quant(tmp_path, k31_tiny):
         assert 0 <= r["greedy_agreement"] <= 1 and r["mean_kl"] >= -1e-6
     assert by_name["mxfp"]["weight_bytes"] < by_name["w8a8-mxfp8"]["weight_bytes"] < base["weight_bytes"]
     assert by_name["c8-int8"]["cache_bytes_per_token"] < base["cache_bytes_per_token"]
+
+
+def test_soak_small(tmp_path, k31_tiny):
+    payload = _bench(tmp_path, "soak", "--model", k31_tiny, "--clients", "8", "--duration", "8", "--warmup", "2",
+                     # a pool of about two sequences for eight clients: the scheduler must preempt
+                     "--kv-cache-memory", "640KiB", "--max-num-seqs", "8", "--server-arg=--max-model-len",
+                     "--server-arg=300")
+    res = payload["result"]
+    assert res["errors"] == 0, res["sample_errors"]
+    assert res["requests"] >= 8 and set(res["by_kind"]) <= {"chat_stream", "completion", "completion_n2",
+                                                             "stop_string", "dropped_stream", "bad_request"}
+    assert res["integrity_ok"] and res["all_free_after"] and res["server_alive"]
+    assert res["tracebacks_in_log"] == 0
+    assert res["preemptions"] > 0, "the small cache did not force a preemption"
+    assert res["rss_baseline_mb"] > 0 and len(payload["rss_samples"]) >= 2
