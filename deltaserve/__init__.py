@@ -1,11 +1,10 @@
 """deltaserve: an inference and serving engine for the Kimi K3.1 Pro model family."""
 
-__version__ = "0.1.0"
-
 from .config import ModelConfig
 from .engine.llm import LLM
 from .engine.sampling_params import InvalidRequestError, SamplingParams
 from .errors import CheckpointError, ConfigError, DeltaserveError
+from .version import __version__
 
 
 def load_model(path, dtype: str = "float32", device: str = "cpu", quantization: str | None = None):

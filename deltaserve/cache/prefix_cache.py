@@ -18,15 +18,34 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .page_pool import PagePool
 from .state_slots import StateSlots
 
-if TYPE_CHECKING:
-    from ..engine.request import Request
-
 TAIL_CHECKPOINTS = 3
+
+
+class Request(Protocol):
+    """What the prefix cache reads and writes on a sequence (the engine's `Request` is one): the cache sits below the
+    engine and names only these fields."""
+
+    cache_salt: str | None
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    state_slot: int | None
+    num_computed_tokens: int
+    num_cached_tokens: int
+    num_registered_blocks: int
+    prefix_match: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def prompt_len(self) -> int: ...
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
 
 
 class PrefixCache:

@@ -13,12 +13,13 @@ from ..ops.mlapo import MLAWeights, mla_preprocess
 from ..ops.native import linear_heads, linear_heads_columns, pack_columns, pack_rows
 from ..ops.qli import qli_topk
 from ..ops.qsfa import qsfa
+from ..ops.rope import rotate_half_split, rotate_interleaved
 from .batch import StepBatch
 from .linear import Linear
 from .native_path import LINEAR_MAX_ROWS
 from .norm import LayerNorm, RMSNorm
 from .prepack import Derived
-from .rope import RotaryEmbedding, rotate_half_split, rotate_interleaved, softmax_scale_factor
+from .rope import RotaryEmbedding, softmax_scale_factor
 
 
 class Indexer(nn.Module):

@@ -7,7 +7,7 @@ from ..config import ModelConfig
 from ..layers.batch import StepBatch
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from .base import DecoderLayer
+from .decoder import DecoderLayer
 
 
 class SharedHead(nn.Module):

@@ -42,6 +42,7 @@ from torch import Tensor
 from . import native
 from .qli import write_index_keys
 from .qsfa import write_latent
+from .rope import rotate_half_split, rotate_interleaved
 
 __all__ = ["MLAWeights", "MLAPreOut", "mla_preprocess_ref", "mla_preprocess"]
 
@@ -170,7 +171,6 @@ def _rope(q_pe: Tensor, k_pe: Tensor, iq: Tensor | None, ik: Tensor | None, weig
           positions: Tensor | None, rotary) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     if rotary is None:
         return q_pe, k_pe, iq, ik
-    from ..layers.rope import rotate_half_split, rotate_interleaved
     if positions is None:
         raise ValueError("rotary needs positions")
     cos, sin = rotary.cos_sin(positions)

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
+from ..version import __version__
 from ..chat import ChatError
 from ..engine.sampling_params import InvalidRequestError
 from .engine_client import EngineDeadError
