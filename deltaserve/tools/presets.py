@@ -181,7 +181,7 @@ def _kimi_linear_tiny() -> dict:
 
 
 def _kimi_linear_small() -> dict:
-    """The anchor checkpoint of shared/design/BENCHMARKS.md (913.5M total, 173M active parameters): the same
+    """The anchor checkpoint of BENCHMARKS.md ("Workloads and rules") (913.5M total, 173M active parameters): the same
     kimi_linear layout as kimi-linear-tiny at benchmark size, so transformers, llama.cpp and deltaserve share weights."""
     layers, num_bpe = 16, _SMALL_BPE
     config = _kimi_linear_tiny()
