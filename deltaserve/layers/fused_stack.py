@@ -1,8 +1,8 @@
 """A decode step of the whole decoder stack as one native call (native_src/stack.c).
 
-With every layer's sub-blocks fused (layers/fused_blocks.py), a batch-1 step of kimi-linear-small still spent
-about 1.9 of 13.3 ms in Python between its 33 native calls (argument checks, descriptor keys, ctypes, output
-tensors), and k31-small about 3 of 15 ms around its 64 blocks and 32 AttnRes mixes. `DecodeStack` writes the
+With every layer's sub-blocks fused (layers/fused_blocks.py), a batch-1 step still spends a sizeable share of
+its time in Python between its native calls (argument checks, descriptor keys, ctypes, output tensors): 33 calls
+on kimi-linear-small, 64 blocks and 32 AttnRes mixes on k31-small. `DecodeStack` writes the
 layers' blocks and mixes, in the order the layers' forward makes them, as one program over a register file of
 [N, d] row sets; a step checks its inputs once and makes one call. The calls and their inputs are the per-layer
 path's, so the hidden states, states and cache rows are the same bit for bit (tests/test_fused_stack.py).

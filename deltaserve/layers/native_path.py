@@ -2,14 +2,14 @@
 
 `enable_native_kernels` switches `native` on for every module that has the switch and bf16 CPU weights, once the
 kernels have built. Linears take the 4-row dot tiles up to `LINEAR_MAX_ROWS` rows and the column-packed product
-above (`ops/native.py` linear_columns: faster than oneDNN's packed product from 5 to ~512 rows on the 2-core
-EPYC, within 2-4% of it at 2,048, so one packed copy serves every size; on the 2-core Xeon with AMX it runs on the
-tile unit, level with oneDNN's AMX product from 32 to 512 rows and 15-36% behind it at 2,048, 5x the AVX512 pair
-products at 128); dense MLPs take the fused expert kernel at every size, on their linears' row packs up
-to `MLP_MAX_ROWS` tokens and their column packs above (bit for bit the linears' column products around the torch
-activation). Routed experts take the fused kernel at every size: each expert
-sees only a share of the tokens, and one call over all of them beat the per-expert oneDNN dispatch from 1 token
-(559 -> 78 us) to 2048 (92 -> 55 ms) on kimi-linear-small's expert shapes.
+above (`ops/native.py` linear_columns: faster than oneDNN's packed product from just above `LINEAR_MAX_ROWS` to
+a few hundred rows and close to it at the largest prefill chunks, so one packed copy serves every size; with AMX
+it runs on the tile unit, level with oneDNN's AMX product over the middle sizes, behind it only at the largest,
+and well ahead of the AVX512 pair products); dense MLPs take the fused expert kernel at every size, on their
+linears' row packs up to `MLP_MAX_ROWS` tokens and their column packs above (bit for bit the linears' column
+products around the torch activation). Routed experts take the fused kernel at every size: each expert sees only
+a share of the tokens, and one call over all of them beats the per-expert oneDNN dispatch at every size, from one
+token to a long prefill chunk.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from ..ops.native import LINEAR_MAX_ROWS, native_usable
 MLP_MAX_ROWS = 8
 # The fused blocks (layers/fused_blocks.py) and the decode stack take steps of up to this many rows (KDA and FFN
 # blocks any step's rows, MLA blocks and the stack decode steps): above LINEAR_MAX_ROWS their products read the
-# column packs, as the modules do. At 32 sequences a kimi-linear-small decode step spent ~26 of ~110 ms outside
-# the kernels, in the Python and torch glue between them; a 128-token prefill ~30 of ~170 ms. The bound caps a
-# block's scratch (~25 KiB a row on kimi-linear-small's KDA block).
+# column packs, as the modules do. The bound is high because the Python and torch glue between the kernels is a
+# sizeable share of a step at many rows too (a decode step of 32 sequences, a prefill chunk), not only at a few;
+# it caps a block's scratch (~25 KiB a row on kimi-linear-small's KDA block).
 BLOCK_MAX_ROWS = 8192
 
 __all__ = ["BLOCK_MAX_ROWS", "LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "takes_native", "enable_native_kernels",

@@ -1,9 +1,8 @@
-"""Prepacked bf16 weights for oneDNN on the CPU (issue 10 item 4).
+"""Prepacked bf16 weights for oneDNN on the CPU.
 
 `F.linear` on bf16 CPU tensors reorders the weight into oneDNN's blocked layout on every call; at decode sizes
-that reorder costs more than the product (measured on this 2-core EPYC at [4096, 1024]: 367 -> 155 us at M = 1,
-565 -> 351 us at M = 8, 1563 -> 1256 us at M = 32). Packing once and calling oneDNN's linear on the packed weight
-gives bit-identical outputs (the same kernel; tests/test_prepack.py checks equality) at those speeds.
+that reorder costs more than the product. Packing once and calling oneDNN's linear on the packed weight gives
+bit-identical outputs (the same kernel; tests/test_prepack.py checks equality) without the reorder.
 
 `PackedWeights` keeps one packed copy of a weight matrix (or of several stacked) and repacks when the source's storage or version counter
 moves, so it never goes stale. The packed copy is extra memory (one more copy of every packed matrix); the engine

@@ -180,7 +180,7 @@ def kda_chunk_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
 
 # Decay factors below 2^-40 are flushed to exactly 0 in the fast chunked path. They change results by < 1e-12
 # relative (five orders below fp32 resolution) but otherwise feed denormals into the triangular solve and the
-# matmuls, which on CPU is ~50x slower (seen with strong decays: e^{Γ} of -100 and below).
+# matmuls, which the CPU runs many times slower (strong decays give them: e^{Γ} of -100 and below).
 _LOG_FLUSH = -40.0 * math.log(2.0)
 
 

@@ -8,7 +8,7 @@ the gated delta rule on the slot's state, everything in place in the state pools
 
 On the CPU the native kernel runs a work item per (sequence, head), token by token, each head's state staying
 in cache; for prefill this replaced the chunked torch form, which spends its time in [C, C, K] decay temporaries
-on the CPU (kimi-linear-small, 128 tokens: ~30 ms a layer). Without the kernels, or off the CPU, the torch ops
+on the CPU. Without the kernels, or off the CPU, the torch ops
 run (batched decode ops; per-sequence convs + the chunked varlen form). The references compose the ops' `_ref`
 twins.
 

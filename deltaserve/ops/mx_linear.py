@@ -8,10 +8,10 @@
 
 An MX GEMM equals `dequant(x) @ dequant(W)^T` accumulated in fp32 (§7.5); the twins compute exactly that. The fast
 path runs one GEMM in the activations' dtype over the dequantised weight, which the caller may pass in `dense` (a
-per-module cache: MX values are exact in bf16 and fp32, so caching loses nothing). On this CPU a bf16 GEMM is 2-3x
-an fp32 one, and neither `torch._scaled_mm` (25-40x slower, rejects E8M0 block scales) nor an int8 GEMM (block
-scales along K would split it into K/32 GEMMs) is faster (ops.md §10.2). The fast result therefore differs from the
-twin only by summation order and, for bf16 activations, one rounding of the output to bf16.
+per-module cache: MX values are exact in bf16 and fp32, so caching loses nothing). On the CPU a bf16 GEMM is
+faster than an fp32 one, and neither `torch._scaled_mm` (far slower, rejects E8M0 block scales) nor an int8
+GEMM (block scales along K would split it into K/32 GEMMs) is faster (ops.md §10.2). The fast result therefore
+differs from the twin only by summation order and, for bf16 activations, one rounding of the output to bf16.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).with_name("native_src")
 _F = ctypes.c_float
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
-# Plain linears take the native kernels up to this many rows; above it oneDNN's blocked GEMM wins on the 2-core
-# EPYC (layers/native_path.py has the measurements).
+# Plain linears take the native dot tiles on their row packs up to this many rows and the column-packed product
+# (`linear_columns`) above it (layers/native_path.py says why); native_src/kernels.h holds the same bound.
 LINEAR_MAX_ROWS = 4
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -163,7 +163,8 @@ def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 def pack_rows(w: torch.Tensor) -> torch.Tensor:
     """The kernels' packed layout of bf16 weights [..., N, K] (one matrix, or a stack: experts): per matrix, tiles
     of 4 rows, each [ceil(K/32), 4, 32] with rows and K zero-padded, so a tile is one sequential stream (row-major
-    rows are 4 short streams; packed reads ~30% faster from DRAM at decode on this EPYC). Held in huge pages where
+    rows are 4 short streams; the hardware prefetchers stream one long run from DRAM faster than four short ones,
+    and decode waits on DRAM). Held in huge pages where
     the system gives them (`huge_page_empty`)."""
     return _pack_blocks(w, ROW_TILES)
 
@@ -187,8 +188,7 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor that starts on a 2 MiB boundary of private anonymous memory advised
     for transparent huge pages (Linux; elsewhere, or under 2 MiB, a plain `torch.empty`). The decode kernels
     stream every weight once a step: with 4 KiB pages the hardware prefetchers stop at each page boundary and
-    every page costs a TLB miss. Measured on the 2-core EPYC, native single-row products: 1024 x 1024 35.6 ->
-    45.1 GB/s, 3392 x 1024 40.5 -> 48.3, 32000 x 1024 43.3 -> 50.6 (medians of 5, one process). The tensor keeps
+    every page costs a TLB miss, so huge pages raise the bandwidth the single-row products reach. The tensor keeps
     its mapping alive; the memory past the tensor's end is never touched, so it costs no RAM."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):

@@ -14,7 +14,7 @@ Precision variants: one set of functions, selected by `quantized: bool`:
     to the same type (§3.2 step 2), scales are folded into the head weights and the dot products are accumulated
     exactly: int32 (`torch._int_mm`) for int8; fp32 for e4m3, whose products (4-bit significands) are exact in
     fp32 and whose sums differ from the reference only in summation order (§3.2 steps 3–4). Scoring fp8 on the CPU
-    upcasts to fp32 (`torch._scaled_mm` is 25-40x slower there, ops.md §10.2).
+    upcasts to fp32 (`torch._scaled_mm` is far slower there, ops.md §10.2).
   * `quantized=False` keys are stored as floats and scored in fp32 (model.md §9.4 exactly).
 `rotate` (Hadamard, §3.2 step 1) must match how the keys were written; rotating is exact in real arithmetic
 (orthonormal) and only spreads outliers before quantisation.
@@ -217,7 +217,7 @@ def _to_rows(positions: torch.Tensor, seq_rows: torch.Tensor) -> torch.Tensor:
 
 def _int8_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Exact a [m, D] int8 . b [n, D]^T int8 -> fp32 [m, n]. torch._int_mm (int32 accumulation; on the CPU it takes
-    any shape and the transposed view as is, 4x faster than the fp32 matmul at decode shapes); where a build
+    any shape and the transposed view as is, faster than the fp32 matmul at decode shapes); where a build
     rejects the shape, an fp32 matmul of the integer values, also exact while D * 127^2 < 2^24 (D <= 1040)."""
     try:
         return torch._int_mm(a, b.t()).float()

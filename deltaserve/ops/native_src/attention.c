@@ -91,9 +91,9 @@ static inline __attribute__((always_inline)) void delta_sweeps(float *S, int64_t
 
 /* delta_sweeps for K in {16, 32, ..., 128}, in column blocks of up to 64: the columns of the state evolve
  * independently (each sum and update reads its own column), and a block's [K, 64] fp32 (32 KiB at K = 128) stays
- * in L1 for all nb tokens, where the whole 64 KiB state went through L2 every token (the same outputs bit for bit;
- * 12 layers x 128 tokens x 8 heads of 128 on the 2-core Xeon, two pairs of processes: 18.9 / 19.6 -> 18.6 / 17.1
- * ms: the sweep is bound by the FMA rate there, ~1.1 zmm FMAs a ns a core). Returns 0 (nothing done) for other K. */
+ * in L1 for all nb tokens, where the whole 64 KiB state would go through L2 every token (the same outputs bit for
+ * bit; the gain is small where the sweep is bound by the FMA rate rather than by L2). Returns 0 (nothing done) for
+ * other K. */
 static int delta_sweeps_k(float *S, int64_t K, int64_t nb, const float *pre, const float *v, int64_t ldv,
                           const float *bt, const float *kq, float *o, int64_t ldo) {
     if (K % 16 || K > 128 || K < 16) return 0;
@@ -151,10 +151,10 @@ static void delta_rule_token(float *S, int64_t K, const float *ekq, const float 
  * channel c is at conv + s * conv_slot_stride + c * (W - 1) (oldest first); the state of slot s at
  * rec + s * rec_slot_stride.
  * One work item per (sequence, head): items touch disjoint channels and state, and a head's 64 KiB state stays
- * in the core's cache for all of its tokens. Per block of KDA_BLOCK tokens: the inputs converted to fp32 once,
- * the convs vectorised over channels, each token's vectors, then the delta rule one sweep over the state a token
- * (delta_sweeps). Measured on the 2-core EPYC, 128 tokens of 8 heads of 128 (one process, against the two-pass
- * token-by-token form with four conversions an input): 1.34 -> 0.97 ms, the same outputs bit for bit. */
+ * in the core's cache for all of its tokens. Per block of KDA_BLOCK tokens: the inputs converted to fp32 once
+ * (not at every use), the convs vectorised over channels, each token's vectors, then the delta rule one sweep over
+ * the state a token (delta_sweeps) rather than two passes; the outputs are those of the token-by-token form bit for
+ * bit. */
 #define KDA_BLOCK 32
 void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
                  const float *conv_w, int64_t W, float *conv, int64_t conv_slot_stride, const float *g,
@@ -364,8 +364,8 @@ static void qsfa_accumulate(float *o, int64_t nh, int64_t r, const float *p, con
  * is selected). q_lat [T, H, r], q_pe [T, H, rho] fp32 contiguous; latent rows [c | kpe] of width r + rho at
  * row stride ld (bf16 when lat_bf16). One pass over the rows with a running max (rows read once per item);
  * an item is one query and a group of heads (all heads unless there are fewer queries than threads). The scores
- * and the weighted sums of a block of rows run in tiles over heads (qsfa_scores, qsfa_accumulate): 32 queries x
- * 8 heads over 200 bf16 rows of 512 + 64 went 1.62-1.72 -> 0.97-0.99 ms (one process, the 2-core EPYC).
+ * and the weighted sums of a block of rows run in tiles over heads (qsfa_scores, qsfa_accumulate), so each row
+ * slice loaded serves several heads.
  * Returns 0, or -1 (nothing computed) when a selected row is not below nrows. */
 int ds_qsfa(int64_t T, int64_t H, int64_t r, int64_t rho, const float *q_lat, const float *q_pe, const void *lat,
             int64_t ld, int64_t nrows, int lat_bf16, const int64_t *selected, int64_t kmax, float scale, float *out,

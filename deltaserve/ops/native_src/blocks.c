@@ -2,8 +2,7 @@
  * = x for a plain residual layer; K3's AttnRes layers give the mixed x and the block's partial sum r, or none),
  * composed of the library's kernels in the order the layer modules call them (so the results are the modules'
  * bit for bit; the DSA block's LayerNorm and sigmoid to fp32 rounding), for the few-row steps where the Python
- * and torch glue between ~10 kernel calls a layer cost about as much as the products (kimi-linear-small,
- * batch 1: ~9 of ~20 ms a step).
+ * and torch glue between ~10 kernel calls a layer costs about as much as the products.
  *
  * Each block is described by a vector of int64 (dimensions and the addresses of the packed weights, built once
  * per layer by layers/fused_blocks.py) and one of floats (epsilons, scales); scratch is allocated per call. */
@@ -122,8 +121,7 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     int64_t *experts = malloc(sizeof(int64_t) * (size_t)(T * (k > 1 ? k : 1)));
     float *weights = malloc(sizeof(float) * (size_t)(T * (k > 1 ? k : 1)));
     /* above MLP_MAX_ROWS a plain MoE's shared MLP runs in the routed experts' pass, as layers/moe.py does: its
-     * products overlap the experts' weight stream (15 FFN layers at 2,048 rows with a separate call: 4-7% slower
-     * than the module in one process) */
+     * compute-bound products overlap the experts' weight stream, where a separate call would run them after it */
     int bad = 0, in_pass = E > 0 && L == 0 && IS > 0 && T > MLP_MAX_ROWS;
     ds_rmsnorm_bf16(xin, T, D, D, (const bf16 *)desc[MB_NORM_W], fdesc[MBF_EPS], x, nthreads);
     if (E > 0) {

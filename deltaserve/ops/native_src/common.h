@@ -2,9 +2,9 @@
  * bf16 dot-product tiles over row-major or packed weights. Built at first use by ops/native.py with the system
  * compiler for this machine (-march=native) and called through ctypes with raw pointers.
  *
- * Why (issue 10): at decode a step multiplies 1-16 rows by ~200 weight matrices. oneDNN's packed linear pays
- * 20-70 us of fixed cost per call at these sizes, the MoE dispatch adds a dozen torch ops per expert, and KDA /
- * QSFA are chains of small ops. These kernels read each weight once in one OpenMP region per call and
+ * Why: at decode a step multiplies 1-16 rows by ~200 weight matrices. oneDNN's packed linear pays a fixed cost
+ * per call that is large against products of that size, the MoE dispatch adds a dozen torch ops per expert, and
+ * KDA / QSFA are chains of small ops. These kernels read each weight once in one OpenMP region per call and
  * accumulate in fp32 with AVX512-BF16 dot products (AVX512F or plain C where that is missing).
  *
  * Rounding follows the torch reference twins: a product is rounded to bf16 (round to nearest even) where the
@@ -30,18 +30,16 @@ typedef uint16_t bf16;
 #define MAX_X 4       /* input rows per tile */
 /* How far ahead in a packed weight stream the dot tiles prefetch into L2: one 4-row tile at K = 1024. With more
  * than 4 input rows a tile is read twice (the second pass from cache) and the hardware prefetcher stalls behind
- * the compute; prefetching keeps DRAM busy. Measured on the 2-core EPYC, kimi-linear-small's experts: 128 tokens
- * 5.6 -> 4.2 ms a layer, 8 and 32 tokens and single-row linears unchanged (within 3%). */
+ * the compute; prefetching keeps DRAM busy (it pays off in prefill's expert products, and costs the few-row
+ * products nothing). */
 #define PREFETCH_BYTES 8192
-/* and how far ahead into L1: the dot tiles' loads otherwise wait on L2 (as the tile unit's did, tiles.c). Batch-1
- * decode steps alternating one by one with the library without it, 150 each on the 2-core Xeon: kimi-linear-small
- * 20.42 -> 19.69 ms at 2 KiB (512 B 20.17 -> 19.90, 1 KiB 20.54 -> 20.00, 4 KiB 20.85 -> 20.49), k31-small 21.42
- * -> 20.79; batch 4 the same (37.68 / 37.47). */
+/* and how far ahead into L1: the dot tiles' loads otherwise wait on L2 (as the tile unit's did, tiles.c). 2 KiB
+ * was the best of the distances tried from 512 B to 4 KiB at batch-1 decode; batch 4 neither gains nor loses. */
 #define PREFETCH_L1_BYTES 2048
 
 /* Ask for the weight stream ahead of the line at p: into L2 PREFETCH_BYTES on, into L1 PREFETCH_L1_BYTES on.
  * always_inline: as a plain inline function inside the always-inline tiles, gcc dropped both prefetches (none left
- * in dot_tile or outer_tile; batch-1 steps 30% slower). */
+ * in dot_tile or outer_tile, and batch-1 decode slowed down markedly). */
 static inline __attribute__((always_inline)) void ask_stream(const void *p) {
     _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T1);
     _mm_prefetch((const char *)p + PREFETCH_L1_BYTES, _MM_HINT_T0);
@@ -149,7 +147,7 @@ static inline void dot_tile(const bf16 *const *x, int nx, const bf16 *const *w, 
 
 /* The packed layout of a [N, K] weight (see pack_rows in ops/native.py): tiles of TILE_ROWS rows, each tile
  * [ceil(K/32)][TILE_ROWS][32] with rows and K zero-padded, so one tile is one sequential stream (the hardware
- * prefetchers follow one stream far better than TILE_ROWS short ones: ~30% more bandwidth at decode). */
+ * prefetchers follow one stream far better than TILE_ROWS short ones, and decode waits on that bandwidth). */
 static inline int64_t padded_k(int64_t K) { return (K + 31) / 32 * 32; }
 
 /* dots[i][n - n0] = dot(x rows[i], w row n) for n in [n0, n1) (n0 a multiple of TILE_ROWS), all M rows (in tiles

@@ -1,13 +1,11 @@
 /* Routed experts over column-packed weights: the outer-product form of the expert products.
  *
- * Why (issue 10): at prefill each expert sees a handful of tokens (128 tokens x top-4 of 64 experts: ~8 each).
- * The dot-product tiles of products.c spend about a fifth of their time there in horizontal sums and spills
- * (perf, weights in cache: 290 GFLOPS for 128 tokens on 4 experts, where oneDNN's GEMM reaches ~420). Here a tile
- * of up to MAX_T tokens keeps 4 zmm accumulators of 64 output columns per token; each step loads 64 columns x one
- * pair of k (4 zmm, the weights in VNNI pair order) and multiplies them by each token's broadcast pair of inputs,
- * with no reductions (the same case: 320 GFLOPS). Measured in one process on the 2-core EPYC, HEAD's kernels with
- * row packs against these: kimi-linear-small TTFT of a 128-token prompt 185.8 -> 175.4 ms, decode 13.56 -> 12.78
- * ms a step at batch 1, 45.95 -> 44.28 at batch 8; k31-small (latent experts) decode 2-3% faster, TTFT equal.
+ * Why: at prefill each expert sees a handful of tokens (128 tokens x top-4 of 64 experts: ~8 each). The
+ * dot-product tiles of products.c spend a good part of their time there in horizontal sums and spills, and fall
+ * behind oneDNN's GEMM with the weights in cache. Here a tile of up to MAX_T tokens keeps 4 zmm accumulators of 64
+ * output columns per token; each step loads 64 columns x one pair of k (4 zmm, the weights in VNNI pair order) and
+ * multiplies them by each token's broadcast pair of inputs, with no reductions, so the experts run faster than on
+ * the row packs at prefill and at decode.
  *
  * Layout (ops/native.py pack_columns): per [N, K] matrix, blocks of COL_BLOCK output columns, each
  * [ceil(K/2)][COL_BLOCK][2] with columns and K zero-padded: one block is one sequential stream.
@@ -23,7 +21,7 @@
 #include "kernels.h"
 
 #define COL_BLOCK 64    /* output columns per packed block */
-#define K_CHUNK 32      /* k pairs per chunk: 32 x 64 x 2 bf16 = 8 KiB (16 KiB measured the same or 1-3% slower) */
+#define K_CHUNK 32      /* k pairs per chunk: 32 x 64 x 2 bf16 = 8 KiB (larger chunks gain nothing) */
 #define TILED_TOKENS 24 /* above this many tokens an expert's tiles each run the whole K (see block_product) */
 #define DOWN_GROUP 4    /* down-product blocks per phase-2 item: 128 KiB of one expert's stream at I = 256 */
 #define MAX_T 6         /* tokens per register tile: 6 x 4 accumulators + 4 weight vectors */
@@ -53,8 +51,8 @@ static inline __attribute__((always_inline)) void outer_tile_n(const bf16 *const
     int64_t p = p0;
     for (; p < full; p++) {
         const bf16 *wp = w + p * 2 * COL_BLOCK;
-        /* the stream ahead into L2 and L1 (every tile: the first one reads DRAM; the L1 part: batch-1 steps
-         * alternating, 20.04 -> 19.79 ms) */
+        /* the stream ahead into L2 and L1 (every tile: the first one reads DRAM; the L1 part keeps the loads from
+         * waiting on L2, as in the dot tiles) */
         for (int j = 0; j < 4; j++) ask_stream(wp + 32 * j);
         __m512i wv[4];
         for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_si512(wp + 32 * j);
@@ -102,8 +100,8 @@ static inline void outer_tile(const bf16 *const *x, int nt, const bf16 *w, int64
 /* acc [m][64] = rows x[0..m) (K bf16 each) times block b of a column-packed [N, K] matrix w, in fp32. A few tokens
  * walk the block in chunks that each serve every tile from L1 (the stream is consumed at an even rate); past
  * TILED_TOKENS each tile runs the whole K with its sums in registers and re-reads the block from L2: chunked,
- * the sums of 128 tokens (2 x 32 KiB for gate and up) went through L1/L2 once a chunk. 2,048 tokens over 64
- * experts: 44.9 -> 34.1 ms a layer; 128 tokens 3% faster, 1-32 the same (one process, 2-core EPYC). */
+ * the sums of many tokens (2 x 32 KiB for gate and up at 128 tokens) would go through L1/L2 once a chunk, which
+ * costs more than re-reading the block. */
 static void block_product(const bf16 *const *x, int64_t m, const bf16 *w, int64_t b, int64_t K, float *acc) {
     const bf16 *wb = w + b * COL_BLOCK * 2 * pairs_of(K);
     memset(acc, 0, sizeof(float) * (size_t)(m * COL_BLOCK));
@@ -170,9 +168,9 @@ static inline void combine_row(const bf16 *y, const float *wt, int64_t k, int64_
  * Phase 1: per (expert, block of 64 of I) the gate and up products and the activation into h, the shared
  * expert's blocks (all T tokens each: compute-bound) spread among the routed ones, whose stream they overlap;
  * phase 2: per (expert, DOWN_GROUP blocks of 64 of D) the down products, each pair's output rounded into y;
- * phase 3: per token the weighted sum of its k outputs (plus the shared expert's). Phase 2 walked every expert
- * per block of D before (y one block wide): 32 KiB pieces of each expert's stream; 128 KiB pieces measured
- * 2-6% faster at 32-128 tokens (real routing), the same at 1-8. */
+ * phase 3: per token the weighted sum of its k outputs (plus the shared expert's). A phase-2 item reads
+ * DOWN_GROUP blocks of one expert's stream (128 KiB at I = 256) rather than one block (32 KiB): longer runs of
+ * one stream read faster at 32-128 tokens, and cost nothing at 1-8. */
 void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, const int64_t *start,
                  const int64_t *used, int64_t nused, int64_t T, int64_t D, int64_t k, const float *weights,
                  const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t I, const shared_expert *sh,
@@ -259,11 +257,10 @@ void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, 
 }
 
 /* out [M, N] = rows of x [M, K] (row stride ldx) times a column-packed [N, K] matrix w, each output rounded to
- * bf16 once from its fp32 sum (the contract of ds_linear_bf16). Why (issue 10): above the 4-row tiles' range the
- * linears ran oneDNN's packed product, which read a weight evicted by the experts' stream before multiplying; here
- * each 64-column block streams under its first tile's multiplies (block_product). One process on the 2-core EPYC,
- * weights cold (oneDNN -> this): 128 rows x 3336 x 1024 2.32 -> 2.13 ms, 1024 x 1024 0.81 -> 0.66, 1024 x 128
- * 0.29 -> 0.15; 32 rows 0.80 -> 0.59, 0.32 -> 0.21, 0.15 -> 0.06; 512 rows the same; 2,048 rows 2-4% slower.
+ * bf16 once from its fp32 sum (the contract of ds_linear_bf16). Why: the linears take this above LINEAR_MAX_ROWS
+ * rows (the 4-row dot tiles' range). oneDNN's packed product, the alternative there, reads a weight the experts'
+ * stream has evicted from cache before it multiplies; here each 64-column block streams under its first tile's
+ * multiplies (block_product), which wins with the weights cold up to a few hundred rows.
  * With `tiles` and TILE_MIN_ROWS rows or more, the blocks run on the AMX tile unit where there is one (tiles.c). */
 void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *w, int64_t N, bf16 *out,
                        int tiles, int nthreads) {

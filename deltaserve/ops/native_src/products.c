@@ -170,10 +170,9 @@ static void stable_topk(const float *v, int64_t n, int64_t k, int64_t *idx, unsi
 
 /* s[t][e] = dotf(x[t], w[e], D) for the n <= ROUTER_TOKENS fp32 rows x and all E experts of w [E, D] (s rows of
  * E floats), summed exactly as dotf sums (the same two accumulators over alternating 16-lane blocks, the same
- * reduction and tail: equal bit for bit). Why (issue 10): dotf loads two vectors per FMA, and this core loads one
- * 512-bit vector a cycle; the tile loads 12 per 16 FMAs (each token's inputs once for two experts, each expert's
- * row once for four tokens). Router of 64 experts over D = 1024, 2-core EPYC, one process: 128 tokens 288 -> 185
- * us, 2,048 tokens 4.16 -> 2.44 ms, 8 tokens 33 -> 19 us. */
+ * reduction and tail: equal bit for bit). Why: dotf loads two vectors per FMA, and a core that loads one 512-bit
+ * vector a cycle is then bound by its loads; the tile loads 12 per 16 FMAs (each token's inputs once for two
+ * experts, each expert's row once for four tokens). */
 static void router_logits(const float *const *x, int n, const float *w, int64_t E, int64_t D, float *const *s) {
     int64_t e = 0;
 #if defined(__AVX512F__)
@@ -265,9 +264,8 @@ static void route_token(const float *logits, const float *bias, int64_t E, int s
  * Twin: layers/moe.py Router (fp32 logits summed in another order: equal to fp32 rounding). Returns 0, or -1
  * when k > E or the groups do not divide E.
  * The logits' work items are (tile of ROUTER_TOKENS tokens, share of the experts): a decode step's one tile is
- * split among the threads by experts, where it ran on one thread (the weight is fp32: 512 KiB a layer at 128
- * experts of 1,024); each logit is the same sum either way. One token, weights cold, per call from Python (2-core
- * Xeon, one process, alternating): 64 experts 50.0 -> 39.7 us, 128 experts 77.4 -> 54.6 us. */
+ * split among the threads by experts, so every core streams a share of the weight rather than one core all of it
+ * (the weight is fp32: 512 KiB a layer at 128 experts of 1,024); each logit is the same sum either way. */
 int ds_router(const bf16 *x, int64_t T, int64_t D, int64_t ldx, const float *w, const float *bias, int64_t E,
               int softmax, int64_t ngroups, int64_t topk_group, int64_t k, int renorm, float scale,
               int64_t *experts, float *weights, int nthreads) {

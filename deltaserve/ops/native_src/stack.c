@@ -1,7 +1,7 @@
 /* A whole decoder stack's decode step in one call (layers/fused_stack.py): a program of the fused blocks of
  * blocks.c and AttnRes mixes over a register file of [N, D] bf16 row sets, run in order. At batch 1 the Python
- * around the ~30-60 block and mix calls of a step (argument checks, ctypes, output tensors) cost 1-3 ms of a
- * 13-15 ms step on the 2-core EPYC; the calls and their order are the same, so the results are the blocks'.
+ * around the ~30-60 block and mix calls of a step (argument checks, ctypes, output tensors) is a sizeable share
+ * of the step; the calls and their order are the same, so the results are the blocks'.
  *
  * Each op is a record of int64 words [kind, length, ...] (layers/fused_stack.py writes them): registers are
  * indices into `regs` (-1: none), descriptors and cache pages are addresses.

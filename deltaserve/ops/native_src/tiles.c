@@ -1,6 +1,6 @@
 /* AMX tile products over column-packed weights: the block product of experts.c on the matrix units.
  *
- * Why (issue 10): on CPUs with AMX-BF16 (Sapphire Rapids and later) one TDPBF16PS multiplies a 16 x 32 bf16 tile
+ * Why: on CPUs with AMX-BF16 (Sapphire Rapids and later) one TDPBF16PS multiplies a 16 x 32 bf16 tile
  * of inputs by a 32 x 16 tile of weights into 16 x 16 fp32 sums, 16x the multiply rate of the AVX512-BF16 pair
  * products the outer-product kernel runs; prefill and batched decode are compute-bound there.
  *
@@ -68,7 +68,7 @@ static void configure(int rows) {
         cfg.rows[t] = TILE_PAIRS;
         cfg.colsb[t] = 64;
     }
-    /* reading the configuration back costs ~10 ns, loading one ~135 ns (it also zeroes the tiles; 2-core Xeon): a
+    /* reading the configuration back is much cheaper than loading one (which also zeroes the tiles): a
      * 128-token prefill makes ~1,500 block products a MoE layer, and a linear's blocks, an expert's gate and up
      * and its down blocks each run at the configuration the one before left */
     tile_config now;
@@ -83,11 +83,9 @@ static void configure(int rows) {
 /* The prefetches for quarter q of a group (16 of its 64 lines), issued before the quarter's product: the weights
  * TILE_PREFETCH bytes ahead into L2 on the block's first pass (`stream`, from DRAM), the next group into L1 on
  * every pass (the weight tiles' loads otherwise wait on L2). Issued a quarter at a time between the products, not
- * all 128 at the top of the group, where they stalled on the full fill buffers and held the products back (perf:
- * ~45% of the samples of this file on the instructions after the two prefetch loops, at a 128-token prefill). One
- * process on the 2-core Xeon, the library builds alternating, 13 rounds, at the top -> spread: 24 column products
- * 128 x 1024 -> 3336 37.3 -> 31.1 ms, at 32 rows 13.3 -> 11.6, two LM heads of 32 rows 9.5 -> 8.2; 6 expert
- * layers at 128 tokens 30.6 -> 28.2, at 32 the same. */
+ * all 128 at the top of the group, where they stall on the full fill buffers and hold the products back (a
+ * profile of that form has its time on the instructions after the two prefetch loops); spread out, they overlap
+ * the multiplies. */
 static inline __attribute__((always_inline)) void ask_ahead(const bf16 *wg, int q, int stream) {
     const char *line = (const char *)wg + 64 * 16 * q;
     if (TILE_PREFETCH && stream)
