@@ -90,6 +90,18 @@ def test_tokenize_counts_what_chat_completions_render(http):
     assert_pools_free(http)
 
 
+def test_continued_message_goes_on_as_content(http):
+    """Thinking is on by default, but a continued assistant message is in its response channel: the output is
+    content, not reasoning."""
+    messages = CHAT + [{"role": "assistant", "content": "It is"}]
+    out = post(http, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
+                                              "temperature": 0, "ignore_eos": True, "add_generation_prompt": False,
+                                              "continue_final_message": True})
+    assert out["choices"][0]["message"]["reasoning_content"] is None
+    assert out["usage"]["prompt_tokens"] == len(tokenize_chat(http, messages=messages, add_generation_prompt=False,
+                                                              continue_final_message=True))
+
+
 def test_tokenize_prompt_matches_completion_usage(http):
     text = "Plain text with <|open|> spelled in it"
     ids = post(http, "/tokenize", {"prompt": text})["tokens"]

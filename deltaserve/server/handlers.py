@@ -56,16 +56,17 @@ class ServerState:
                                              f"more were requested")
 
     def render(self, req: ChatPromptOptions) -> tuple[list[int], bool]:
-        """(prompt ids, thinking on) of a chat: the one rendering chat completions and /tokenize share, with the
-        request's tools, tool_choice, response_format, thinking switches, chat_template_kwargs and
-        continue_final_message."""
+        """(prompt ids, whether the output starts in the reasoning channel) of a chat: the one rendering chat
+        completions and /tokenize share, with the request's tools, tool_choice, response_format, thinking
+        switches, chat_template_kwargs and continue_final_message. A continued final message goes on in its
+        response text, so its output starts as content even with thinking on."""
         thinking, effort = req.thinking_settings()
         ids = render_chat(self.tokenizer, self.config, req.messages, add_generation_prompt=req.add_generation_prompt,
                           thinking=thinking, tools=req.tool_dicts(), tool_choice=req.tool_choice_value(),
                           response_format=req.response_format_dict(), thinking_effort=effort,
                           continue_final_message=req.continue_final_message,
                           template_kwargs=req.extra_template_kwargs())
-        return ids, thinking
+        return ids, thinking and not req.continue_final_message
 
     def encode_prompt(self, text: str) -> list[int]:
         """A completion's text prompt -> ids (special spellings stay text), shared with /tokenize."""
