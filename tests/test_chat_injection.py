@@ -152,10 +152,9 @@ FILTER_TEMPLATE = (
 )
 
 
-def test_filters_cannot_make_specials(setups):
+def test_filters_cannot_make_specials():
     """A template that trims, slices, upper-cases, splits, joins and JSON-encodes request text: only its own
     literals (the join separator included) are special."""
-    tok, _ = setups["kimi_linear"]
     custom = Tokenizer({bytes([b]): b for b in range(256)}, {"added_tokens_decoder": {
         str(256 + i): {"content": name} for i, name in enumerate(["<|im_end|>", "<|im_user|>", "<|im_middle|>",
                                                                   "<|im_assistant|>"])},
@@ -170,6 +169,10 @@ def test_filters_cannot_make_specials(setups):
                 base = render_template(custom, [{"role": "user", "content": harmless, "name": harmless}],
                                        **({"template_kwargs": {"note": harmless}} if kwargs else {}))
                 assert special_ids(custom, ids) == special_ids(custom, base), (spelling, payload)
+    # Benign text through the same filters keeps the ids of the rendered string tokenised with specials allowed.
+    benign = [{"role": "user", "content": "  a§b q c  ", "name": "n"}]
+    assert render_template(custom, benign, template_kwargs={"note": "x"}) == custom.encode(
+        template_text(custom, benign, add_generation_prompt=True, note="x"), allow_special=True)
     with pytest.raises(ChatError, match="may not set messages"):
         render_template(custom, [{"role": "user", "content": "hi"}], template_kwargs={"messages": []})
 
