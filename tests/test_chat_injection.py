@@ -115,8 +115,8 @@ def template_text(tok: Tokenizer, messages: list[dict], **kwargs) -> str:
     """The K2 template's rendered string, as transformers' apply_chat_template renders it."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
-    flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])}
-            for m in messages]
+    flat = [{**m, "content": m["content"] if isinstance(m["content"], str)
+             else "".join(part["text"] for part in m["content"])} for m in messages]
     return env.from_string(tok.chat_template).render(messages=flat, **kwargs)
 
 
