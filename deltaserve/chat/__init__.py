@@ -6,7 +6,9 @@ with all specials disallowed (a literal `<|open|>` typed by a user stays ordinar
 consecutive special ids is encoded as one piece, exactly as a tokenizer that splits the rendered string at the
 special tokens would encode it.
 
-Kimi-Linear / K2 checkpoints carry a Jinja `chat_template` (§4), rendered in a sandbox with `tools` passed through.
+Kimi-Linear / K2 checkpoints carry a Jinja `chat_template` (§4), rendered in a sandbox with `tools` passed through;
+only the special spellings of the template's own source become special ids, so request text never does (template.py
+explains how).
 
 Byte-level choices that chat.md leaves open ([R] / "to be confirmed against encoding_k3") are marked `[R]` in k3.py;
 the golden test of chat.md §2 (ids from the checkpoint's own encoder) is the final word on them.
@@ -14,6 +16,7 @@ the golden test of chat.md §2 (ids from the checkpoint's own encoder) is the fi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..config import ModelConfig
@@ -28,17 +31,23 @@ __all__ = ["ChatError", "message_text", "render_chat", "render_k3", "render_temp
 
 def render_chat(tok: Tokenizer, config: ModelConfig, messages: list[dict], add_generation_prompt: bool = True,
                 thinking: bool = True, tools: list[dict] | None = None, tool_choice: Any = None,
-                response_format: Any = None, thinking_effort: str | None = None) -> list[int]:
+                response_format: Any = None, thinking_effort: str | None = None,
+                continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of a conversation in the checkpoint's chat format, ending with the generation prompt.
 
     K3: `tool_choice` is "auto"/None (nothing), "required", "none" or a named-function object (rendered as nothing,
     [R]); `response_format` is None, {"type": "text"|"json_object"|"json_schema", ...}; `thinking_effort` is one of
-    low/medium/high/max, default max in thinking mode. K2 family: the Jinja template gets `tools` and `thinking`;
-    `tool_choice`, `response_format` and `thinking_effort` have no K2 rendering and are ignored.
+    low/medium/high/max, default max in thinking mode; `template_kwargs` have no K3 rendering and are ignored.
+    K2 family: the Jinja template gets `tools`, `thinking` and `template_kwargs`; `tool_choice`, `response_format`
+    and `thinking_effort` have no K2 rendering and are ignored. Both: `continue_final_message` ends the prompt right
+    after the final (assistant) message's content instead of closing it; `add_generation_prompt` must then be false.
+    No text of `messages`, `tools` or `template_kwargs` ever becomes a special id.
     """
     if not messages:
         raise ChatError("messages must not be empty")
     if config.family == "kimi_k3":
         return render_k3(tok, messages, add_generation_prompt, thinking, tools=tools, tool_choice=tool_choice,
-                         response_format=response_format, thinking_effort=thinking_effort)
-    return render_template(tok, messages, add_generation_prompt, tools=tools, thinking=thinking)
+                         response_format=response_format, thinking_effort=thinking_effort,
+                         continue_final_message=continue_final_message)
+    return render_template(tok, messages, add_generation_prompt, tools=tools, thinking=thinking,
+                           continue_final_message=continue_final_message, template_kwargs=template_kwargs)

@@ -285,8 +285,20 @@ def _response_schema(response_format: Mapping) -> Any:
 
 def render_k3(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True, thinking: bool = True,
               tools: list[dict] | None = None, tool_choice: Any = None, response_format: Any = None,
-              thinking_effort: str | None = None) -> list[int]:
-    """Token ids of a K3 XTML prompt (chat.md §3.2–3.3)."""
+              thinking_effort: str | None = None, continue_final_message: bool = False) -> list[int]:
+    """Token ids of a K3 XTML prompt (chat.md §3.2–3.3).
+
+    With `continue_final_message` (the last message must be an assistant message, `add_generation_prompt` false)
+    the prompt ends right after that message's response text: its closing markers, tool calls and everything the
+    format places after the conversation (tool_choice and response_format messages) are left out, as cutting the
+    full rendering after the final content would leave them out.
+    """
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ChatError("continue_final_message and add_generation_prompt cannot both be true")
+        last = messages[-1] if messages else None
+        if not isinstance(last, Mapping) or _ROLES.get(last.get("role")) != "assistant":
+            raise ChatError("continue_final_message requires the last message to be an assistant message")
     if thinking and thinking_effort is None:
         thinking_effort = DEFAULT_THINKING_EFFORT
     if thinking and thinking_effort not in THINKING_EFFORTS:
@@ -299,7 +311,8 @@ def render_k3(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool 
     if thinking:
         _internal_system(out, "thinking-effort", THINKING_EFFORT_BODY.format(effort=thinking_effort))
     # 3. conversation
-    for m in normalize_k3_messages(messages):
+    conversation = normalize_k3_messages(messages)
+    for position, m in enumerate(conversation, start=1):
         role = m["role"]
         if role == "system" and m.get("tools"):
             # A system message carrying its own tools is a dynamic tool declaration; its content is not rendered
@@ -324,7 +337,10 @@ def render_k3(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool 
                 if reasoning.strip():
                     out.text(reasoning)
                 out.close("think")
-            out.open("response").text(message_text(m)).close("response")  # present even when empty
+            out.open("response").text(message_text(m))
+            if continue_final_message and position == len(conversation):
+                return out.ids
+            out.close("response")  # present even when empty
             if m.get("tool_calls"):  # an empty list is dropped
                 _tool_calls(out, m["tool_calls"])
         else:

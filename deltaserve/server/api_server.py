@@ -3,6 +3,7 @@ process behind `EngineClient`; tokenising, chat rendering, detokenising and outp
 
 from __future__ import annotations
 
+import hmac
 import logging
 import uuid
 from contextlib import asynccontextmanager
@@ -44,12 +45,15 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
     app.state.server = state
 
+    expected_auth = f"Bearer {state.api_key}".encode() if state.api_key else None
+
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        """API key on every endpoint but /health; request-size cap before the body is parsed."""
-        if state.api_key and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {state.api_key}":
+        """API key on every endpoint but /health, compared in constant time (the time taken does not tell how
+        much of a guess was right); request-size cap before the body is parsed."""
+        if expected_auth is not None and request.url.path != "/health":
+            auth = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(auth, expected_auth):
                 return _error(401, "invalid or missing API key", "AuthenticationError")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > state.max_request_bytes:
@@ -112,7 +116,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        cards = [ModelCard(id=name, created=state.created, owned_by="deltaserve", root=str(state.model_path),
+        # `root` is the served name, as vLLM shows the model id: where the weights sit on disk is not the
+        # clients' business.
+        cards = [ModelCard(id=name, created=state.created, owned_by="deltaserve", root=name,
                            max_model_len=state.engine.max_model_len) for name in state.served_names]
         return ModelList(data=cards)
 

@@ -20,7 +20,8 @@ from ..tokenizer import Tokenizer
 from .engine_client import EngineClient, EngineDeadError
 from .metrics import Metrics
 from .parsers import parser_for
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body, sse_data
+from .protocol import (ChatCompletionRequest, ChatPromptOptions, CompletionRequest, TokenizeRequest, error_body,
+                       sse_data)
 
 
 @dataclass
@@ -54,18 +55,40 @@ class ServerState:
                                              f"tokens; the prompt has {len(ids)} tokens and {params.max_tokens} "
                                              f"more were requested")
 
-    def render(self, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+    def render(self, req: ChatPromptOptions) -> tuple[list[int], bool]:
+        """(prompt ids, whether the output starts in the reasoning channel) of a chat: the one rendering chat
+        completions and /tokenize share, with the request's tools, tool_choice, response_format, thinking
+        switches, chat_template_kwargs and continue_final_message. A continued final message goes on in its
+        response text, so its output starts as content even with thinking on."""
         thinking, effort = req.thinking_settings()
         ids = render_chat(self.tokenizer, self.config, req.messages, add_generation_prompt=req.add_generation_prompt,
                           thinking=thinking, tools=req.tool_dicts(), tool_choice=req.tool_choice_value(),
-                          response_format=req.response_format_dict(), thinking_effort=effort)
-        return ids, thinking
+                          response_format=req.response_format_dict(), thinking_effort=effort,
+                          continue_final_message=req.continue_final_message,
+                          template_kwargs=req.extra_template_kwargs())
+        return ids, thinking and not req.continue_final_message
 
-    def prompt_ids_for_tokenize(self, req) -> list[int]:
-        if getattr(req, "messages", None):
-            return render_chat(self.tokenizer, self.config, req.messages,
-                               add_generation_prompt=getattr(req, "add_generation_prompt", True))
-        return self.tokenizer.encode(req.prompt or "", allow_special=bool(getattr(req, "add_special_tokens", False)))
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion's text prompt -> ids (special spellings stay text), shared with /tokenize."""
+        return self.tokenizer.encode(text)
+
+    def prompt_ids_for_tokenize(self, req: TokenizeRequest) -> list[int]:
+        if req.messages is not None:
+            return self.render(req)[0]
+        return self.encode_prompt(req.prompt)
+
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: keep the last `keep` prompt tokens (-1: max_model_len; None: all).
+        A value above max_model_len is refused, as vLLM refuses it; 0 leaves an empty prompt, refused later."""
+        if keep is None:
+            return ids
+        limit = self.engine.max_model_len
+        if keep > limit:
+            raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens ({keep}) is greater than "
+                                      f"max_model_len ({limit}); select a smaller truncation size")
+        if keep == -1:
+            keep = limit
+        return ids[max(len(ids) - keep, 0):]
 
     def metrics_hook(self, outputs, stats) -> None:
         self.metrics.observe_engine_stats(stats)
@@ -166,9 +189,11 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
     prompts = req.prompt_list()
     inputs = []
     for i, p in enumerate(prompts):
-        ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        full = state.encode_prompt(p) if isinstance(p, str) else list(p)
+        ids = state.truncate(full, req.truncate_prompt_tokens)
         state.check_prompt(ids)
-        inputs.append((p if isinstance(p, str) else state.tokenizer.decode(ids), ids))
+        # The text is what `echo` shows: the prompt as the model saw it, so a truncated one is decoded back.
+        inputs.append((p if isinstance(p, str) and len(ids) == len(full) else state.tokenizer.decode(ids), ids))
     params = req.to_sampling_params(default_max_tokens=16)
     for _, ids in inputs:
         state.check_room(ids, params, "max_tokens")
@@ -277,6 +302,7 @@ def _chat_logprobs(tok: Tokenizer, token_ids: list[int], logprobs) -> dict | Non
 
 async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request, rid: str):
     ids, thinking = state.render(req)
+    ids = state.truncate(ids, req.truncate_prompt_tokens)
     state.check_prompt(ids, "messages")
     params = req.to_sampling_params(default_max_tokens=None)
     state.check_room(ids, params, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")

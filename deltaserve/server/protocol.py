@@ -184,6 +184,54 @@ def _check_messages(messages: list[dict] | None, add_generation_prompt: bool,
                             "chat_template_kwargs.thinking and enable_thinking (its alias) disagree")
 
 
+def _check_chat_options(tools: list[ChatTool] | None, tool_choice: Any, response_format: ResponseFormat | None) -> None:
+    if tool_choice not in (None, "none") and not tools:
+        name = tool_choice if isinstance(tool_choice, str) else "a named function"
+        raise request_error("tool_choice", f"tool_choice {name!r} requires tools to be set")
+    if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in {t.function.name for t in tools}:
+        raise request_error("tool_choice", f"tool_choice names function {tool_choice.function.name!r}, which is not "
+                            "in tools")
+    rf = response_format
+    if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+        raise request_error("response_format.json_schema", "response_format of type json_schema requires "
+                            "json_schema.schema")
+
+
+class ChatPromptOptions:
+    """How `messages` render into prompt ids, read the same way by chat completions and /tokenize (so a /tokenize
+    count is the prompt_tokens of the same chat request). A mixin over the request fields `messages`, `tools`,
+    `tool_choice`, `response_format`, `reasoning_effort`, `chat_template_kwargs`, `add_generation_prompt` and
+    `continue_final_message`."""
+
+    def template_kwargs(self) -> dict:
+        """Resolved template switches: `thinking` (bool), `thinking_effort` (str | None), plus any other kwargs."""
+        return _template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
+
+    def thinking_settings(self) -> tuple[bool, str | None]:
+        """(thinking, thinking_effort) as resolved by `template_kwargs`."""
+        kwargs = self.template_kwargs()
+        return kwargs["thinking"], kwargs["thinking_effort"]
+
+    def extra_template_kwargs(self) -> dict:
+        """chat_template_kwargs other than the thinking switches (which `thinking_settings` resolves)."""
+        return {k: v for k, v in self.template_kwargs().items() if k not in ("thinking", "thinking_effort")}
+
+    def tool_dicts(self) -> list[dict] | None:
+        """`tools` as plain dicts (None when absent or empty)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_choice_value(self) -> str | dict | None:
+        """`tool_choice` for the renderer: None when unset or "auto" (nothing to render), else the string / object."""
+        tc = self.tool_choice
+        if tc is None or tc == "auto":
+            return None
+        return tc if isinstance(tc, str) else tc.model_dump()
+
+    def response_format_dict(self) -> dict | None:
+        """`response_format` as a plain dict (`json_schema.schema` under its JSON name), or None."""
+        return self.response_format.model_dump(by_alias=True, exclude_none=True) if self.response_format else None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Requests
 
@@ -341,7 +389,7 @@ class CompletionRequest(_SamplingRequest):
     prompt_list = prompts
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, ChatPromptOptions):
     """POST /v1/chat/completions."""
 
     messages: Messages
@@ -362,17 +410,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check_fields(self) -> None:
         if self.top_logprobs and not self.logprobs:
             raise request_error("top_logprobs", "top_logprobs requires logprobs to be true")
-        tc = self.tool_choice
-        if tc not in (None, "none") and not self.tools:
-            name = tc if isinstance(tc, str) else "a named function"
-            raise request_error("tool_choice", f"tool_choice {name!r} requires tools to be set")
-        if isinstance(tc, NamedToolChoice) and tc.function.name not in {t.function.name for t in self.tools}:
-            raise request_error("tool_choice", f"tool_choice names function {tc.function.name!r}, which is not "
-                                "in tools")
-        rf = self.response_format
-        if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
-            raise request_error("response_format.json_schema", "response_format of type json_schema requires "
-                                "json_schema.schema")
+        _check_chat_options(self.tools, self.tool_choice, self.response_format)
         _check_messages(self.messages, self.add_generation_prompt, self.continue_final_message,
                         self.chat_template_kwargs)
 
@@ -390,33 +428,11 @@ class ChatCompletionRequest(_SamplingRequest):
             return self.tool_choice
         return "auto" if self.tools else "none"
 
-    def template_kwargs(self) -> dict:
-        """Resolved template switches: `thinking` (bool), `thinking_effort` (str | None), plus any other kwargs."""
-        return _template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
-
-    def thinking_settings(self) -> tuple[bool, str | None]:
-        """(thinking, thinking_effort) as resolved by `template_kwargs`."""
-        kwargs = self.template_kwargs()
-        return kwargs["thinking"], kwargs["thinking_effort"]
-
-    def tool_dicts(self) -> list[dict] | None:
-        """`tools` as plain dicts (None when absent or empty)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-
-    def tool_choice_value(self) -> str | dict | None:
-        """`tool_choice` for the renderer: None when unset or "auto" (nothing to render), else the string / object."""
-        tc = self.tool_choice
-        if tc is None or tc == "auto":
-            return None
-        return tc if isinstance(tc, str) else tc.model_dump()
-
-    def response_format_dict(self) -> dict | None:
-        """`response_format` as a plain dict (`json_schema.schema` under its JSON name), or None."""
-        return self.response_format.model_dump(by_alias=True, exclude_none=True) if self.response_format else None
 
 
-class TokenizeRequest(OpenAIModel):
-    """POST /tokenize: exactly one of `prompt` (text) or `messages` (a chat)."""
+class TokenizeRequest(OpenAIModel, ChatPromptOptions):
+    """POST /tokenize: exactly one of `prompt` (text, encoded as /v1/completions encodes it) or `messages` (a chat,
+    rendered with the chat fields exactly as /v1/chat/completions renders it)."""
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
@@ -426,6 +442,9 @@ class TokenizeRequest(OpenAIModel):
     continue_final_message: StrictBool = False
     chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: ReasoningEffort | None = None
     return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
@@ -434,6 +453,7 @@ class TokenizeRequest(OpenAIModel):
             raise request_error("prompt", "either prompt or messages is required")
         if self.prompt is not None and self.messages is not None:
             raise request_error("messages", "give either prompt or messages, not both")
+        _check_chat_options(self.tools, self.tool_choice, self.response_format)
         _check_messages(self.messages, self.add_generation_prompt and self.messages is not None,
                         self.continue_final_message, self.chat_template_kwargs)
         return self
@@ -442,9 +462,6 @@ class TokenizeRequest(OpenAIModel):
     def use_special_tokens(self) -> bool:
         """`add_special_tokens`, defaulting as vLLM does: true for a prompt, false for a chat."""
         return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
-
-    def template_kwargs(self) -> dict:
-        return _template_kwargs(self.chat_template_kwargs, None)
 
 
 class DetokenizeRequest(OpenAIModel):
