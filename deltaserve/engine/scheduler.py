@@ -8,8 +8,8 @@ Fairness. Every request carries a client key (`Request.client`: the OpenAI `user
 to, so the n completions and all prompts of one HTTP request share one key). The keys that have work share the
 engine max-min fairly; a key alone may use all of it (work-conserving):
   * admission takes the waiting request whose key holds the fewest running sequences (ties: queue order, i.e.
-    arrival order with preempted requests in front); a request that does not fit stops admission for the step, so
-    a large request is never overtaken forever;
+    arrival order with preempted requests in front); when it does not fit, admission stops for the step (no
+    smaller request skips ahead of it);
   * running slots: when that request lacks a slot, a state slot or pages, a key holding at least two more running
     sequences than its key is over its share and gives up its newest sequence (recompute preemption) until it fits;
   * preemption under page pressure takes its victim by the same order: the newest sequence of the key holding the
