@@ -143,8 +143,7 @@ def test_a_small_request_is_admitted_at_once_beside_a_huge_one():
     assert counts_by_client(sim.s) == {"A": 16}  # alone again, A takes every slot back
     sim.run(2000)
     sim.assert_all_done()
-    a_done = sorted(t for rid, t in sim.finished_at.items() if rid != "b")
-    assert sim.finished_at["b"] < a_done[0] + 5 < a_done[-1]
+    assert sim.finished_at["b"] < min(t for rid, t in sim.finished_at.items() if rid != "b")
     assert sim.s.num_preemptions == 1
 
 
