@@ -147,6 +147,25 @@ def test_a_small_request_is_admitted_at_once_beside_a_huge_one():
     assert sim.s.num_preemptions == 1
 
 
+def test_two_floods_split_the_slots_evenly_without_churn():
+    sim = Sim(make_scheduler(max_num_seqs=16, budget=64))
+    for i in range(60):
+        sim.add(f"a{i}", "A", prompt(12, i), max_tokens=30)
+    sim.steps(5)
+    for i in range(60):
+        sim.add(f"b{i}", "B", prompt(12, 100 + i), max_tokens=30)
+    # B takes half the slots as fast as the token budget admits its prompts: A's eight newest give way, once.
+    sim.run(3, until=lambda: counts_by_client(sim.s) == {"A": 8, "B": 8})
+    assert sim.s.num_preemptions == 8
+    for _ in range(200):
+        sim.step()
+        if {r.client for r in sim.s.waiting} == {"A", "B"}:  # both still want more: neither holds over half
+            assert max(counts_by_client(sim.s).values()) <= 8, counts_by_client(sim.s)
+    assert sim.s.num_preemptions == 8  # equal shares are stable: no preemption back and forth
+    sim.run(1000)
+    sim.assert_all_done()
+
+
 def test_one_key_stays_fcfs_and_the_small_request_waits_its_turn():
     sim = _flood_then_small("A")  # the same arrival under the flooding key: plain FCFS
     sim.run(2000)
@@ -321,8 +340,7 @@ def test_server_small_request_completes_while_a_large_one_runs(make_checkpoint):
             assert wait_until(lambda: progress["events"] >= 2 * MAX_NUM_SEQS or progress["error"], 120)
             start = time.monotonic()
             r = httpx.post(srv.url + "/v1/completions", timeout=120,
-                           json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True,
-                                 "user": "small-client"})
+                           json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
             elapsed, seen = time.monotonic() - start, progress["events"]
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 4
