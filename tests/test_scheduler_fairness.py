@@ -311,7 +311,7 @@ def test_fairness_changes_order_never_greedy_outputs(make_checkpoint):
 
 
 # -------------------------------------------------------------------------------------------------- server
-BIG_PROMPTS, BIG_N, BIG_MAX_TOKENS, MAX_NUM_SEQS = 4, 4, 24, 4
+BIG_PROMPTS, BIG_N, BIG_MAX_TOKENS, MAX_NUM_SEQS = 4, 4, 16, 4
 
 
 def test_server_small_request_completes_while_a_large_one_runs(make_checkpoint):
