@@ -79,8 +79,9 @@ class EngineCore:
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
-        """Validate token ids against the model and queue. Raises InvalidRequestError; nothing is allocated then."""
+                    cache_salt: str | None = None, client: str | None = None) -> None:
+        """Validate token ids against the model and queue. Raises InvalidRequestError; nothing is allocated then.
+        `client` is the scheduler's fairness key (default: the request id); all n completions share it."""
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already in use")
         if not prompt_ids:
@@ -96,6 +97,7 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         first = self._new_request(request_id, list(prompt_ids), params, max_tokens, 0)
         first.cache_salt = cache_salt
+        first.client = request_id if client is None else client
         first.siblings_pending = params.n - 1
         self._requests[request_id] = [first]
         self._n[request_id] = (params, max_tokens)
@@ -195,7 +197,7 @@ class EngineCore:
         req.siblings_pending -= 1
         child = self._new_request(req.request_id, req.prompt_ids, params, max_tokens,
                                   params.n - 1 - req.siblings_pending)
-        child.cache_salt = req.cache_salt
+        child.cache_salt, child.client = req.cache_salt, req.client
         self._requests[req.request_id].append(child)
         return child
 
@@ -206,8 +208,7 @@ class EngineCore:
     def _share_prefix(self, parent: Request, child: Request) -> bool:
         pages, states = self.pages, self.states
         partial = parent.num_computed_tokens % pages.block_size != 0
-        if len(self.scheduler.running) >= self.scheduler.max_num_seqs or not states.can_allocate() \
-                or not pages.can_allocate(int(partial)):
+        if not self.scheduler.can_fork(parent) or not states.can_allocate() or not pages.can_allocate(int(partial)):
             return False
         child.state_slot = states.allocate()
         states.copy(parent.state_slot, child.state_slot)

@@ -26,7 +26,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a batch (strings or token-id lists); outputs come back in input order.
-        Every request is validated before any is queued, so a bad one leaves the engine untouched."""
+        Every request is validated before any is queued, so a bad one leaves the engine untouched. The batch is
+        one client to the scheduler, so its prompts are admitted in order (FCFS)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -39,7 +40,7 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, client=ids[0])
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

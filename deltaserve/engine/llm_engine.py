@@ -41,12 +41,13 @@ class LLMEngine:
         self.core.eos_ids = self.processor.eos_ids = set(ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, client: str | None = None) -> None:
         """Tokenise and queue. Raises InvalidRequestError naming the problem; nothing is allocated then.
-        Requests with different `cache_salt` never share prefix-cache pages."""
+        Requests with different `cache_salt` never share prefix-cache pages. The scheduler shares the engine
+        fairly between `client` keys (default: each request its own)."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self.core.add_request(request_id, ids, params, cache_salt)
+        self.core.add_request(request_id, ids, params, cache_salt, client)
         self.processor.add(request_id, prompt if isinstance(prompt, str) else None, ids, params)
 
     def abort_request(self, request_id: str) -> None:

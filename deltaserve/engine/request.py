@@ -33,6 +33,7 @@ class Request:
     max_tokens: int  # resolved against max_model_len
     sampling: Any  # sampler.SamplingState: generator, penalty counts, min_tokens masking
     index: int = 0  # which of the n completions of its prompt
+    client: str | None = None  # fairness key of the scheduler; None: the request's own id
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -46,6 +47,10 @@ class Request:
     prefix_match: int = 0  # cached pages found at admission (interval-aligned): a branch point worth a checkpoint
     siblings_pending: int = 0  # n - 1 completions still to fork from this request once its prompt is computed
     num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.client is None:
+            self.client = self.request_id
 
     @property
     def num_tokens(self) -> int:

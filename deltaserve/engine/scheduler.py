@@ -1,13 +1,27 @@
-"""Scheduler: one rule, no prefill/decode phases (serving.md §2.2).
+"""Scheduler: one rule, no prefill/decode phases (serving.md §2.2), shared fairly between clients.
 
 Each request's `num_computed_tokens` chases its `num_tokens` under one per-step token budget. Running requests go
-first (decodes and unfinished chunked prefills, in admission order), then waiting requests in FCFS order while a
-state slot, pages and budget remain. When pages run out, the newest running request is preempted by recompute.
+first (decodes and unfinished chunked prefills, in admission order), then waiting requests are admitted while a
+running slot, a state slot, pages and budget remain. When pages run out, a running request is preempted by recompute.
+
+Fairness. Every request carries a client key (`Request.client`: the OpenAI `user`, else the API request it belongs
+to, so the n completions and all prompts of one HTTP request share one key). The keys that have work share the
+engine max-min fairly; a key alone may use all of it (work-conserving):
+  * admission takes the waiting request whose key holds the fewest running sequences (ties: queue order, i.e.
+    arrival order with preempted requests in front); when it does not fit, admission stops for the step (no
+    smaller request skips ahead of it);
+  * running slots: when that request lacks a slot, a state slot or pages, a key holding at least two more running
+    sequences than its key is over its share and gives up its newest sequence (recompute preemption) until it fits;
+  * preemption under page pressure takes its victim by the same order: the newest sequence of the key holding the
+    most running sequences (ties: the newest of them), so with one key it is the newest running request;
+  * token budget: while K keys have running or waiting requests, each key's running requests get at most
+    ceil(budget / K) tokens before admission; what admission leaves then goes to running requests in admission order.
+With a single key this is plain FCFS.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import NamedTuple
 
 from ..cache.page_pool import PagePool
@@ -47,52 +61,131 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_fork(self, parent: Request) -> bool:
+        """Whether one more completion of `parent` may start running now, sharing its prompt: a running slot stays
+        free for each other key that waits holding no more running sequences than the parent's (admission would
+        take those first, so a fork there would only be preempted again)."""
+        counts = Counter(r.client for r in self.running)
+        mine = counts[parent.client]
+        ahead = {r.client for r in self.waiting if r.client != parent.client and counts[r.client] <= mine}
+        return len(self.running) + len(ahead) < self.max_num_seqs
+
     # ---- one step ----
     def schedule(self) -> StepPlan:
+        counts = Counter(r.client for r in self.running)  # running sequences per key, kept current below
+        num_keys = len(set(counts) | {r.client for r in self.waiting})
+        grants: dict[Request, int] = {}  # tokens granted this step per running request
+        budget, preempted = self._schedule_running(grants, counts, -(-self.token_budget // max(num_keys, 1)))
+        if not preempted:  # pages just ran short: admitting now would only preempt again
+            budget = self._admit(grants, counts, budget)
+        self._fill(grants, budget)
+        chunks = [ScheduledChunk(r, grants[r]) for r in self.running if r in grants]
+        snapshots = [self.prefix.plan_snapshots(c.request, c.num_new_tokens) if self.prefix is not None else []
+                     for c in chunks]
+        return StepPlan(chunks, snapshots)
+
+    def _schedule_running(self, grants: dict[Request, int], counts: Counter, cap: int) -> tuple[int, bool]:
+        """Running requests in admission order, each key's at most `cap` tokens; preempts under page pressure.
+        Returns the budget left and whether anything was preempted."""
         budget = self.token_budget
-        chunks: list[ScheduledChunk] = []
-        preempted: list[Request] = []
+        used: Counter = Counter()  # tokens granted per key
+        preempted = False
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, cap - used[req.client])
+            if n <= 0:
+                continue
             while not self._can_grow(req, n):
-                victim = self.running[-1]
-                self.preempt(victim)
-                preempted.append(victim)
+                victim = self._victim(counts)
+                refund = grants.pop(victim, 0)
+                budget += refund
+                used[victim.client] -= refund
+                self._preempt_counted(victim, counts)
+                preempted = True
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
             self._grow(req, n)
-            chunks.append(ScheduledChunk(req, n))
+            grants[req] = n
+            used[req.client] += n
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
-            # A prefix hit (pages + KDA checkpoint) skips its tokens; nothing is reserved until admission.
-            hit, hit_pages = self.prefix.find_hit(req) if self.prefix is not None else (0, [])
-            remaining = req.num_tokens - hit
-            if remaining > budget and not self.chunked_prefill:
+        return budget, preempted
+
+    def _admit(self, grants: dict[Request, int], counts: Counter, budget: int) -> int:
+        """Admit waiting requests, the key with the fewest running sequences first, preempting the sequences of a
+        key over its share when one does not fit. Returns the budget left."""
+        while self.waiting and budget > 0:
+            req = self._next_waiting(counts)
+            hit, hit_pages = self._find_hit(req)
+            if not self.chunked_prefill and req.num_tokens - hit > budget:
                 break
-            n = min(remaining, budget)
-            new_pages = self.pages.blocks_needed(hit + n) - len(hit_pages)
-            revived = self.prefix.pages_to_revive(hit_pages) if self.prefix is not None else 0
-            if not (self.states.can_allocate() and self.pages.can_allocate(new_pages + revived)):
-                break
-            self.waiting.popleft()
+            while not self._fits(req, hit, hit_pages, budget):
+                victim = self._victim(counts)
+                if victim is None or counts[victim.client] < counts[req.client] + 2:
+                    return budget
+                budget += grants.pop(victim, 0)
+                self._preempt_counted(victim, counts)
+                hit, hit_pages = self._find_hit(req)  # freed pages may have turned cached
+            n = min(req.num_tokens - hit, budget)
+            self.waiting.remove(req)
             req.state_slot = self.states.allocate()
             if self.prefix is not None:
                 self.prefix.take_hit(req, hit, hit_pages)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            counts[req.client] += 1
             self._grow(req, n)
-            chunks.append(ScheduledChunk(req, n))
+            grants[req] = n
             budget -= n
-        snapshots = [self.prefix.plan_snapshots(c.request, c.num_new_tokens) if self.prefix is not None else []
-                     for c in chunks]
-        return StepPlan(chunks, snapshots)
+        return budget
+
+    def _fill(self, grants: dict[Request, int], budget: int) -> None:
+        """Give the budget left after admission to running requests in admission order (no preemption)."""
+        for req in self.running:
+            if budget == 0:
+                break
+            n = grants.get(req, 0)
+            more = min(req.num_tokens - req.num_computed_tokens - n, budget)
+            if more > 0 and self._can_grow(req, n + more):
+                self._grow(req, n + more)
+                grants[req] = n + more
+                budget -= more
+
+    def _next_waiting(self, counts: Counter) -> Request:
+        """The first waiting request whose key holds the fewest running sequences."""
+        best, fewest = self.waiting[0], counts[self.waiting[0].client]
+        for r in self.waiting:
+            if fewest == 0:
+                break
+            if counts[r.client] < fewest:
+                best, fewest = r, counts[r.client]
+        return best
+
+    def _victim(self, counts: Counter) -> Request | None:
+        """The newest running request of the key holding the most running sequences (ties: the newest of them)."""
+        top = max(counts.values(), default=0)
+        return next((r for r in reversed(self.running) if counts[r.client] == top), None)
+
+    def _preempt_counted(self, req: Request, counts: Counter) -> None:
+        self.preempt(req)
+        counts[req.client] -= 1
+
+    def _find_hit(self, req: Request) -> tuple[int, list[int]]:
+        """A prefix hit (pages + KDA checkpoint) skips its tokens; nothing is reserved until admission."""
+        return self.prefix.find_hit(req) if self.prefix is not None else (0, [])
+
+    def _fits(self, req: Request, hit: int, hit_pages: list[int], budget: int) -> bool:
+        """Whether `req` can be admitted now: a running slot, a state slot, and pages for its first chunk (the
+        cached pages of its hit revived)."""
+        n = min(req.num_tokens - hit, budget)
+        new_pages = self.pages.blocks_needed(hit + n) - len(hit_pages)
+        revived = self.prefix.pages_to_revive(hit_pages) if self.prefix is not None else 0
+        return (len(self.running) < self.max_num_seqs and self.states.can_allocate()
+                and self.pages.can_allocate(new_pages + revived))
 
     def _blocks_to_add(self, req: Request, n: int) -> int:
         return max(0, self.pages.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids))

@@ -105,9 +105,10 @@ class EngineClient:
         return len(self._queues)
 
     async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, client: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs until finished. Raises InvalidRequestError (rejected by the core) or
-        EngineDeadError. Leaving the iteration early (client disconnect) aborts the request in the core."""
+        EngineDeadError. Leaving the iteration early (client disconnect) aborts the request in the core. `client`
+        is the core scheduler's fairness key (default: the request id)."""
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
         queue: asyncio.Queue = asyncio.Queue()
@@ -115,7 +116,8 @@ class EngineClient:
         self.processor.add(request_id, prompt, prompt_ids, params)
         finished = False
         try:
-            await self._to_core.send(encode(AddRequest(request_id, prompt_ids, params_to_dict(params), cache_salt)))
+            await self._to_core.send(encode(AddRequest(request_id, prompt_ids, params_to_dict(params), cache_salt,
+                                                        client)))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -65,7 +65,8 @@ def _loop(core: EngineCore, inbox, outbox, parent: int) -> None:
 def _handle(core: EngineCore, msg, outbox) -> None:
     if isinstance(msg, AddRequest):
         try:
-            core.add_request(msg.request_id, msg.prompt_ids, params_from_dict(msg.params), msg.cache_salt)
+            core.add_request(msg.request_id, msg.prompt_ids, params_from_dict(msg.params), msg.cache_salt,
+                             msg.client)
         except InvalidRequestError as e:
             outbox.send(encode(AddFailed(msg.request_id, e.field, str(e))))
         except (TypeError, ValueError) as e:

@@ -98,13 +98,19 @@ def _sse(obj) -> str:
     return sse_data(json.dumps(obj, ensure_ascii=False, separators=(',', ':')))
 
 
+def fairness_key(user: str | None, rid: str) -> str:
+    """The engine scheduler's fairness key of an API request: its OpenAI `user` when given, else the request
+    itself, so all its prompts and n completions share one key. Prefixed so a `user` never names a request."""
+    return f"user:{user}" if user is not None else f"request:{rid}"
+
+
 async def _tracked(state: ServerState, request_id: str, prompt: str | None, ids: list[int],
-                   params: SamplingParams, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                   params: SamplingParams, cache_salt: str | None, client: str) -> AsyncIterator[RequestOutput]:
     """Engine outputs with latency metrics recorded along the way."""
     start = last = time.monotonic()
     first = True
     final = None
-    async for out in state.engine.generate(request_id, prompt, ids, params, cache_salt):
+    async for out in state.engine.generate(request_id, prompt, ids, params, cache_salt, client):
         now = time.monotonic()
         if first:
             state.metrics.on_first_token(now - start)
@@ -200,7 +206,9 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
     n = params.n
-    streams = [_tracked(state, f"{rid}-{i}", text, ids, params, req.cache_salt) for i, (text, ids) in enumerate(inputs)]
+    client = fairness_key(req.user, rid)
+    streams = [_tracked(state, f"{rid}-{i}", text, ids, params, req.cache_salt, client)
+               for i, (text, ids) in enumerate(inputs)]
 
     if not req.stream:
         finals = await asyncio.gather(*(_collect(s, raw) for s in streams))
@@ -308,7 +316,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
     state.check_room(ids, params, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
-    stream = _tracked(state, rid, None, ids, params, req.cache_salt)
+    stream = _tracked(state, rid, None, ids, params, req.cache_salt, fairness_key(req.user, rid))
     parser = parser_for(state.config, state.tokenizer)
 
     if not req.stream:

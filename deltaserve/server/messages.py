@@ -23,6 +23,7 @@ class AddRequest:
     prompt_ids: list[int]
     params: dict  # SamplingParams fields
     cache_salt: str | None = None
+    client: str | None = None  # the scheduler's fairness key; None: the request id
 
 
 @dataclass
