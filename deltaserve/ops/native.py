@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .. import envs
-from .native_contract import set_signatures
+from .native_contract import LinearTask, set_signatures
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +168,8 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Te
             and tuple(packed.shape) == packed_shape((n_out, K))):
         raise ValueError("linear_packed takes bf16 x [M, K] with contiguous rows and a pack_rows weight of that K")
     y = torch.empty(M, n_out, dtype=torch.bfloat16)
-    desc = (ctypes.c_int64 * 7)(packed.data_ptr(), -1, n_out, y.data_ptr(), n_out, x.data_ptr(), x.stride(0))
-    native_library().ds_linear_bf16(M, K, 1, desc, torch.get_num_threads())
+    task = LinearTask(w=packed.data_ptr(), ldw=-1, n=n_out, y=y.data_ptr(), ldy=n_out, x=x.data_ptr(), ldx=x.stride(0))
+    native_library().ds_linear_bf16(M, K, 1, task, torch.get_num_threads())
     return y
 
 
@@ -197,12 +197,12 @@ def linear_heads(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Ten
             and packed.is_contiguous() and tuple(packed.shape) == packed_shape((H, n_out, K))):
         raise ValueError("linear_heads takes bf16 x [T, H, K] and pack_rows of weights [H, n_out, K]")
     y = torch.empty(T, H, n_out, dtype=torch.bfloat16)
-    desc = (ctypes.c_int64 * (7 * H))()
     w0, y0, x0 = packed.data_ptr(), y.data_ptr(), x.data_ptr()
-    for h in range(H):  # byte addresses of head h's weight, output and input (2 bytes an element)
-        desc[7 * h:7 * h + 7] = [w0 + 2 * h * packed.stride(0), -1, n_out, y0 + 2 * h * n_out, H * n_out,
-                                 x0 + 2 * h * x.stride(1), x.stride(0)]
-    native_library().ds_linear_bf16(T, K, H, desc, torch.get_num_threads())
+    # byte addresses of head h's weight, output and input (2 bytes an element)
+    tasks = (LinearTask * H)(*(LinearTask(w=w0 + 2 * h * packed.stride(0), ldw=-1, n=n_out, y=y0 + 2 * h * n_out,
+                                          ldy=H * n_out, x=x0 + 2 * h * x.stride(1), ldx=x.stride(0))
+                               for h in range(H)))
+    native_library().ds_linear_bf16(T, K, H, tasks, torch.get_num_threads())
     return y
 
 

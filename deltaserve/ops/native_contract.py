@@ -4,11 +4,12 @@ It holds three things:
 
 * the constants both sides read (`CONSTANTS`): the row counts at which products change form, which the fused
   blocks must follow to give their modules' results, and the decode-stack program's op codes;
-* the records passed by address, as `ctypes.Structure`s with named, typed fields (`STRUCTS`): one descriptor per
-  fused decode block (`KdaBlock`, `MoeBlock`, `MlaBlock`, `DsaBlock`: dimensions, the packed weights' addresses,
-  epsilons and scales; built once per layer by layers/fused_attention.py and layers/fused_blocks.py, read by
-  native_src/blocks.c), and the decode-stack program's op record and step inputs (`StackOp`, `StackStep`;
-  layers/fused_stack.py, native_src/stack.c);
+* the records passed by address, as `ctypes.Structure`s with named, typed fields (`STRUCTS`): the few-row linear
+  products' tasks (`LinearTask`; ops/native.py, native_src/products.c), one descriptor per fused decode block
+  (`KdaBlock`, `MoeBlock`, `MlaBlock`, `DsaBlock`: dimensions, the packed weights' addresses, epsilons and scales;
+  built once per layer by layers/fused_attention.py and layers/fused_blocks.py, read by native_src/blocks.c), and
+  the decode-stack program's op record and step inputs (`StackOp`, `StackStep`; layers/fused_stack.py,
+  native_src/stack.c);
 * the C prototype of every entry point ctypes calls (`ENTRY_POINTS`), from which `entry_signatures` derives the
   argtypes and restype ops/native.py sets on the loaded library.
 
@@ -79,6 +80,19 @@ def _layout(cls):
     """Sets a contract struct's ctypes `_fields_` from its `fields`: (name, CType, note) in C order."""
     cls._fields_ = [(name, kind.field_type()) for name, kind, _ in cls.fields]
     return cls
+
+
+@_layout
+class LinearTask(ctypes.Structure):
+    """One product of ds_linear_bf16: y [M, n] (row stride ldy) = x [M, K] (row stride ldx) @ W^T for W [n, K]
+    row-major (row stride ldw) or packed by pack_rows (ldw -1); the tasks of a call may share x (several weights
+    over one input) or not (one weight per attention head)."""
+
+    c_name = "linear_task"
+    fields = [
+        ("w", BF16S, ""), ("ldw", I64, "-1: packed"), ("n", I64, ""), ("y", CType(ctypes.c_void_p, "bf16 *"), ""),
+        ("ldy", I64, ""), ("x", BF16S, ""), ("ldx", I64, ""),
+    ]
 
 
 @_layout
@@ -187,11 +201,11 @@ class StackStep(ctypes.Structure):
     ]
 
 
-STRUCTS = (KdaBlock, MoeBlock, MlaBlock, DsaBlock, StackOp, StackStep)
+STRUCTS = (LinearTask, KdaBlock, MoeBlock, MlaBlock, DsaBlock, StackOp, StackStep)
 
 # Every entry point ctypes calls, as C declares it; each is documented where it is defined (native_src/*.c).
 ENTRY_POINTS = """
-void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const int64_t *tasks, int nthreads);
+void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const linear_task *tasks, int nthreads);
 int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
     const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind, float beta,
     float lin_beta, const bf16 *s1, const bf16 *s3, const bf16 *s2, int64_t IS, int tiles, bf16 *h, bf16 *out,

@@ -17,8 +17,8 @@
 static void product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *rows, const bf16 *cols, int64_t N,
                     bf16 *y, int nthreads) {
     if (M <= LINEAR_MAX_ROWS || cols == NULL) {
-        int64_t task[7] = {(int64_t)rows, -1, N, (int64_t)y, N, (int64_t)x, ldx};
-        ds_linear_bf16(M, K, 1, task, nthreads);
+        linear_task task = {.w = rows, .ldw = -1, .n = N, .y = y, .ldy = N, .x = x, .ldx = ldx};
+        ds_linear_bf16(M, K, 1, &task, nthreads);
     } else {
         ds_linear_columns(x, M, ldx, K, cols, N, y, 1, nthreads);
     }
@@ -65,8 +65,8 @@ void ds_kda_block(const kda_block *d, const bf16 *xin, const bf16 *r, int64_t N,
     product(x, N, D, D, d->w_in, d->c_in, NIN, y, nthreads);
     const bf16 *f_a = y + 3 * P, *b = f_a + K, *g_in = b + H;
     if (N <= LINEAR_MAX_ROWS) { /* both gate products in one call */
-        int64_t gate_tasks[14] = {(int64_t)d->w_fb, -1, P, (int64_t)u, P, (int64_t)f_a, NIN,
-                                  (int64_t)d->w_gb, -1, P, (int64_t)gate, P, (int64_t)g_in, NIN};
+        linear_task gate_tasks[2] = {{.w = d->w_fb, .ldw = -1, .n = P, .y = u, .ldy = P, .x = f_a, .ldx = NIN},
+                                     {.w = d->w_gb, .ldw = -1, .n = P, .y = gate, .ldy = P, .x = g_in, .ldx = NIN}};
         ds_linear_bf16(N, K, full_rank ? 1 : 2, gate_tasks, nthreads);
     } else {
         product(f_a, N, NIN, K, d->w_fb, d->c_fb, P, u, nthreads);
@@ -160,13 +160,11 @@ static void heads_linear(const bf16 *x, int64_t N, int64_t ldx, int64_t hx, int6
         ds_heads_columns(x, N, ldx, hx, H, K, packed, n_out, y, 1, nthreads);
         return;
     }
-    int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(7 * H));
-    for (int64_t h = 0; h < H; h++) {
-        int64_t *t = tasks + 7 * h;
-        t[0] = (int64_t)(packed + h * ((n_out + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(K)));
-        t[1] = -1, t[2] = n_out, t[3] = (int64_t)(y + h * n_out), t[4] = H * n_out;
-        t[5] = (int64_t)(x + h * hx), t[6] = ldx;
-    }
+    linear_task *tasks = malloc(sizeof(linear_task) * (size_t)H);
+    for (int64_t h = 0; h < H; h++)
+        tasks[h] = (linear_task){.w = packed + h * ((n_out + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(K)),
+                                 .ldw = -1, .n = n_out, .y = y + h * n_out, .ldy = H * n_out, .x = x + h * hx,
+                                 .ldx = ldx};
     ds_linear_bf16(N, K, H, tasks, nthreads);
     free(tasks);
 }
@@ -235,8 +233,8 @@ int ds_mla_block(const mla_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
 
     ds_rmsnorm_bf16(xin, N, D, D, d->norm_w, d->eps, x, nthreads);
     if (N <= LINEAR_MAX_ROWS) { /* q_proj and kv_a_proj in one call */
-        int64_t proj[14] = {(int64_t)d->w_q, -1, QW, (int64_t)q, QW, (int64_t)x, D,
-                            (int64_t)d->w_kva, -1, CW, (int64_t)ckv, CW, (int64_t)x, D};
+        linear_task proj[2] = {{.w = d->w_q, .ldw = -1, .n = QW, .y = q, .ldy = QW, .x = x, .ldx = D},
+                               {.w = d->w_kva, .ldw = -1, .n = CW, .y = ckv, .ldy = CW, .x = x, .ldx = D}};
         ds_linear_bf16(N, D, 2, proj, nthreads);
     } else {
         product(x, N, D, D, d->w_q, d->c_q, QW, q, nthreads);

@@ -16,6 +16,19 @@
 #define SOP_FFN 4
 #define SOP_MIX 5
 
+/* One product of ds_linear_bf16: y [M, n] (row stride ldy) = x [M, K] (row stride ldx) @ W^T for W [n, K] row-major
+ * (row stride ldw) or packed by pack_rows (ldw -1); the tasks of a call may share x (several weights over one input)
+ * or not (one weight per attention head). */
+typedef struct {
+    const bf16 *w;
+    int64_t ldw; /* -1: packed */
+    int64_t n;
+    bf16 *y;
+    int64_t ldy;
+    const bf16 *x;
+    int64_t ldx;
+} linear_task;
+
 /* ds_kda_block: a KDA layer's attention block. The input projections are stacked q | k | v | f_a | b | g (g: g_a of
  * width head_dim, or the full-rank gate of width heads * head_dim when w_gb is 0); each weight row-packed (w_*) and
  * column-packed (c_*, read above LINEAR_MAX_ROWS rows). */
@@ -177,7 +190,7 @@ typedef struct {
     const float *cos_sin; /* DeepSeek-V3.2's rotation at the tokens' positions [2, N, rope / 2] */
 } stack_step;
 
-void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const int64_t *tasks, int nthreads);
+void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const linear_task *tasks, int nthreads);
 int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
     const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind, float beta,
     float lin_beta, const bf16 *s1, const bf16 *s3, const bf16 *s2, int64_t IS, int tiles, bf16 *h, bf16 *out,
