@@ -64,7 +64,7 @@ class CType:
         return self.ctype * CONSTANTS[self.count] if self.count else self.ctype
 
 
-I64, INT, F32 = CType(ctypes.c_int64, "int64_t"), CType(ctypes.c_int, "int"), CType(ctypes.c_float, "float")
+I64, F32 = CType(ctypes.c_int64, "int64_t"), CType(ctypes.c_float, "float")
 
 
 def pointer(c: str) -> CType:
@@ -286,11 +286,12 @@ def set_signatures(lib: ctypes.CDLL) -> None:
         function.argtypes, function.restype = argtypes, restype
 
 
-def _comment(text: str, indent: str = "") -> list[str]:
-    lines = textwrap.wrap(" ".join(text.split()), 116 - len(indent))
+def _comment(text: str) -> list[str]:
+    """`text` as a C block comment of lines of at most 119 characters."""
+    lines = textwrap.wrap(" ".join(text.split()), 116)
     if len(lines) == 1:
-        return [f"{indent}/* {lines[0]} */"]
-    return [f"{indent}/* {lines[0]}", *(f"{indent} * {line}" for line in lines[1:-1]), f"{indent} * {lines[-1]} */"]
+        return [f"/* {lines[0]} */"]
+    return [f"/* {lines[0]}", *(f" * {line}" for line in lines[1:-1]), f" * {lines[-1]} */"]
 
 
 def header() -> str:
