@@ -9,6 +9,7 @@ import math
 import torch
 
 from ..ops import native
+from ..ops.native_contract import DsaBlock, KdaBlock, MlaBlock
 from .batch import StepBatch
 from .fused_plan import Descriptor, Plan, address, column_pack, has_switches, native_pack
 from .kda import KimiDeltaAttention
@@ -27,7 +28,7 @@ def attention_plan(attn: torch.nn.Module, norm: RMSNorm) -> Plan | None:
 
 
 def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> Descriptor:
-    """native_src/blocks.c KB_* / KBF_* order."""
+    """The block's descriptor (`KdaBlock`) over the layer's current packed weights."""
     c = attn.config
     inputs = [m.weight for m in attn.input_linears()]
     w_in, c_in = attn._inputs.get_native(inputs), attn._inputs.get_columns(inputs)
@@ -39,11 +40,15 @@ def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> Descriptor:
     n_in = sum(m.out_features for m in attn.input_linears())
     keep = [t for t in (norm.weight, w_in, w_fb, w_gb, dt_bias, a_log, conv_w, o_norm, w_o, c_in, c_fb, c_gb, c_o)
             if t is not None]
-    ints = [c.hidden_size, attn.H, attn.K, attn.W, n_in, norm.weight.data_ptr(), w_in.data_ptr(), w_fb.data_ptr(),
-            address(w_gb), dt_bias.data_ptr(), a_log.data_ptr(), conv_w.data_ptr(), o_norm.data_ptr(), w_o.data_ptr(),
-            c_in.data_ptr(), c_fb.data_ptr(), address(c_gb), c_o.data_ptr()]
     lower = c.kda_gate_lower_bound
-    return Descriptor(ints, [norm.eps, c.rms_norm_eps, math.nan if lower is None else lower, attn.K ** -0.5], keep)
+    block = KdaBlock(
+        hidden=c.hidden_size, heads=attn.H, head_dim=attn.K, conv_width=attn.W, in_width=n_in,
+        norm_w=norm.weight.data_ptr(), w_in=w_in.data_ptr(), w_fb=w_fb.data_ptr(), w_gb=address(w_gb),
+        dt_bias=dt_bias.data_ptr(), a_log=a_log.data_ptr(), conv_w=conv_w.data_ptr(), onorm_w=o_norm.data_ptr(),
+        w_o=w_o.data_ptr(), c_in=c_in.data_ptr(), c_fb=c_fb.data_ptr(), c_gb=address(c_gb), c_o=c_o.data_ptr(),
+        eps=norm.eps, onorm_eps=c.rms_norm_eps, lower_bound=math.nan if lower is None else lower,
+        scale=attn.K ** -0.5)
+    return Descriptor(block, keep)
 
 
 def kda_pools(attn: KimiDeltaAttention, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -80,10 +85,9 @@ def _run_kda(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
     nseq, cu, slots = sequences
     conv, rec = pools
     out = torch.empty_like(x)
-    native.native_library().ds_kda_block(desc.ints_address, desc.floats_address, x.data_ptr(), address(residual),
-                                         x.shape[0], nseq, address(cu), slots.data_ptr(), conv.data_ptr(),
-                                         conv.stride(0), rec.data_ptr(), rec.stride(0), out.data_ptr(),
-                                         torch.get_num_threads())
+    native.native_library().ds_kda_block(desc.block, x.data_ptr(), address(residual), x.shape[0], nseq, address(cu),
+                                         slots.data_ptr(), conv.data_ptr(), conv.stride(0), rec.data_ptr(),
+                                         rec.stride(0), out.data_ptr(), torch.get_num_threads())
     save_step_checkpoints(plan.module, batch, conv, rec)
     return out
 
@@ -110,17 +114,20 @@ def _mla_linears(attn: MLAttention) -> list[torch.nn.Module] | None:
 
 
 def _mla_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor:
-    """native_src/blocks.c AB_* / ABF_* order."""
+    """The block's descriptor (`MlaBlock`) over the layer's current packed weights."""
     linears = (attn.q_proj, attn.kv_a_proj_with_mqa, attn.o_proj)
     w_q, w_kva, w_o = map(native_pack, linears)
     c_q, c_kva, c_o = map(column_pack, linears)
     (w_uk, w_uv), (c_uk, c_uv) = attn._kv_b_packs(columns=False), attn._kv_b_packs(columns=True)
     kva_norm = attn.kv_a_layernorm
     keep = [norm.weight, w_q, w_kva, kva_norm.weight, w_uk, w_uv, w_o, c_q, c_kva, c_uk, c_uv, c_o]
-    ints = [attn.config.hidden_size, attn.H, attn.n, attn.rho, attn.v, attn.r, norm.weight.data_ptr(),
-            w_q.data_ptr(), w_kva.data_ptr(), kva_norm.weight.data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(),
-            w_o.data_ptr(), *(t.data_ptr() for t in (c_q, c_kva, c_uk, c_uv, c_o))]
-    return Descriptor(ints, [norm.eps, kva_norm.eps, attn.scale], keep)
+    block = MlaBlock(
+        hidden=attn.config.hidden_size, heads=attn.H, nope=attn.n, rope=attn.rho, v_dim=attn.v, rank=attn.r,
+        norm_w=norm.weight.data_ptr(), w_q=w_q.data_ptr(), w_kva=w_kva.data_ptr(),
+        kva_norm_w=kva_norm.weight.data_ptr(), w_uk=w_uk.data_ptr(), w_uv=w_uv.data_ptr(), w_o=w_o.data_ptr(),
+        c_q=c_q.data_ptr(), c_kva=c_kva.data_ptr(), c_uk=c_uk.data_ptr(), c_uv=c_uv.data_ptr(), c_o=c_o.data_ptr(),
+        eps=norm.eps, kva_eps=kva_norm.eps, scale=attn.scale)
+    return Descriptor(block, keep)
 
 
 def _mla_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
@@ -155,11 +162,10 @@ def _run_mla(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
         return None
     context_rows, write_rows = rows
     out = torch.empty_like(x)
-    if native.native_library().ds_mla_block(desc.ints_address, desc.floats_address, x.data_ptr(),
-                                            address(residual), x.shape[0], context_rows.data_ptr(),
-                                            context_rows.shape[1], write_rows.data_ptr(), latent.data_ptr(),
-                                            latent.stride(0), latent.shape[0], latent.dtype == torch.bfloat16,
-                                            out.data_ptr(), torch.get_num_threads()):
+    if native.native_library().ds_mla_block(desc.block, x.data_ptr(), address(residual), x.shape[0],
+                                            context_rows.data_ptr(), context_rows.shape[1], write_rows.data_ptr(),
+                                            latent.data_ptr(), latent.stride(0), latent.shape[0],
+                                            latent.dtype == torch.bfloat16, out.data_ptr(), torch.get_num_threads()):
         raise IndexError(f"fused MLA block: a cache row lies outside the {latent.shape[0]} page rows")
     return out
 
@@ -181,7 +187,7 @@ def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
 
 
 def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor | None:
-    """native_src/blocks.c DB_* / DBF_* order; None when the MLAPO weights have no native packs."""
+    """The block's descriptor (`DsaBlock`); None when the MLAPO weights have no native packs."""
     W = attn._fused_weights()
     if not {"w_a", "q_b_proj", "w_uk_t", "index_wq_b"} <= set(W.packed):
         return None
@@ -189,15 +195,18 @@ def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor | None:
     keep = [norm.weight, W.packed["w_a"], W.packed["q_b_proj"], W.packed["w_uk_t"], W.packed["index_wq_b"], w_uv,
             w_o, W.q_a_norm, W.kv_a_norm, W.index_k_norm_weight, W.index_k_norm_bias]
     c = attn.config
-    ints = [c.hidden_size, attn.H, attn.n, attn.rho, attn.v, attn.r, c.q_lora_rank, sum(W.split_a),
-            attn.H * attn.v if W.g_proj is not None else 0, W.index_head_dim, W.index_rope_dim, norm.weight.data_ptr(),
-            W.packed["w_a"].data_ptr(), W.q_a_norm.data_ptr(), W.packed["q_b_proj"].data_ptr(),
-            W.kv_a_norm.data_ptr(), W.index_k_norm_weight.data_ptr(), W.index_k_norm_bias.data_ptr(),
-            W.packed["w_uk_t"].data_ptr(), w_uv.data_ptr(), w_o.data_ptr(), W.index_n_heads, c.index_topk,
-            W.packed["index_wq_b"].data_ptr()]
-    floats = [norm.eps, c.mla_norm_eps, c.mla_norm_eps, c.index_norm_eps, attn.scale, W.index_n_heads ** -0.5,
-              W.index_head_dim ** -0.5]
-    return Descriptor(ints, floats, keep)
+    block = DsaBlock(
+        hidden=c.hidden_size, heads=attn.H, nope=attn.n, rope=attn.rho, v_dim=attn.v, rank=attn.r,
+        q_rank=c.q_lora_rank, a_width=sum(W.split_a), gate_width=attn.H * attn.v if W.g_proj is not None else 0,
+        index_dim=W.index_head_dim, index_rope=W.index_rope_dim, index_heads=W.index_n_heads,
+        index_topk=c.index_topk, norm_w=norm.weight.data_ptr(), w_a=W.packed["w_a"].data_ptr(),
+        qa_norm_w=W.q_a_norm.data_ptr(), w_qb=W.packed["q_b_proj"].data_ptr(), kva_norm_w=W.kv_a_norm.data_ptr(),
+        ik_norm_w=W.index_k_norm_weight.data_ptr(), ik_norm_b=W.index_k_norm_bias.data_ptr(),
+        w_uk=W.packed["w_uk_t"].data_ptr(), w_uv=w_uv.data_ptr(), w_o=w_o.data_ptr(),
+        w_iq=W.packed["index_wq_b"].data_ptr(), eps=norm.eps, q_eps=c.mla_norm_eps, kv_eps=c.mla_norm_eps,
+        index_eps=c.index_norm_eps, scale=attn.scale, index_weight_scale=W.index_n_heads ** -0.5,
+        index_dim_scale=W.index_head_dim ** -0.5)
+    return Descriptor(block, keep)
 
 
 def _page_rows(t, width: int) -> bool:
@@ -234,11 +243,11 @@ def _run_dsa(plan: Plan, desc: Descriptor, x: torch.Tensor, batch: StepBatch,
     (context_rows, write_rows), (latent, keys) = rows, pages
     cos_sin = rotation(attn, batch)
     out = torch.empty_like(x)
-    if native.native_library().ds_dsa_block(desc.ints_address, desc.floats_address, x.data_ptr(),
-                                            address(residual), x.shape[0], context_rows.data_ptr(),
-                                            context_rows.shape[1], write_rows.data_ptr(), latent.data_ptr(),
-                                            latent.stride(0), latent.shape[0], latent.dtype == torch.bfloat16,
-                                            keys.data_ptr(), keys.stride(0), keys.dtype == torch.bfloat16,
-                                            address(cos_sin), out.data_ptr(), torch.get_num_threads()):
+    if native.native_library().ds_dsa_block(desc.block, x.data_ptr(), address(residual), x.shape[0],
+                                            context_rows.data_ptr(), context_rows.shape[1], write_rows.data_ptr(),
+                                            latent.data_ptr(), latent.stride(0), latent.shape[0],
+                                            latent.dtype == torch.bfloat16, keys.data_ptr(), keys.stride(0),
+                                            keys.dtype == torch.bfloat16, address(cos_sin), out.data_ptr(),
+                                            torch.get_num_threads()):
         raise IndexError(f"fused DSA block: a cache row lies outside the {latent.shape[0]} page rows")
     return out

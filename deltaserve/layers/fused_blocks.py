@@ -20,10 +20,11 @@ products do, so one form of each product runs at each row count and the results 
 calls return None and the layer runs its modules.
 
 Each layer keeps a `BlockPlans`: per block, gathered at its first use, the modules whose `native` switches
-it needs (read on every call), the weights it reads and its descriptor (dimensions and the packed weights'
-addresses, int64; epsilons and scales, fp32), rebuilt when any of those weights changes. Gathering once keeps the
-Python of a call to a few lookups, where walking the modules on every call is a visible share of a batch-1
-step; it relies on the layer's structure (which modules, quantised or not) being fixed at load, as the engine does.
+it needs (read on every call), the weights it reads and its descriptor (a struct of ops/native_contract.py:
+dimensions, the packed weights' addresses, epsilons and scales), rebuilt when any of those weights changes.
+Gathering once keeps the Python of a call to a few lookups, where walking the modules on every call is a visible
+share of a batch-1 step; it relies on the layer's structure (which modules, quantised or not) being fixed at load,
+as the engine does.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from ..config import ModelConfig
 from ..ops import native
+from ..ops.native_contract import MoeBlock
 from .batch import StepBatch
 from .fused_attention import attention_plan
 from .fused_plan import Descriptor, Plan, address, column_pack, has_switches, native_pack
@@ -85,35 +87,37 @@ def _latent_parts(moe: MoE) -> list[torch.nn.Module]:
 
 
 def _ffn_descriptor(c: ModelConfig, norm: RMSNorm, moe: MoE | None, mlp: MLP | None) -> Descriptor:
-    """native_src/blocks.c MB_* / MBF_* order."""
+    """The block's descriptor (`MoeBlock`): fields of absent parts stay 0."""
     keep: list[torch.Tensor] = [norm.weight]
-    routed = [0] * 12  # E, I, k, router w, bias, softmax, groups, topk_group, renorm, w1, w3, w2
+    situ = situ_params(c)
+    block = MoeBlock(hidden=c.hidden_size, norm_w=norm.weight.data_ptr(), situ=int(situ is not None), eps=norm.eps,
+                     routed_scale=c.routed_scaling_factor, situ_beta=situ[0] if situ else 0.0,
+                     situ_linear_beta=math.nan if situ is None or situ[1] is None else situ[1])
     if moe is not None:
         router_w, bias = moe.gate._weight_f32(), moe.gate._bias_f32()
-        stacks = moe.experts._native_weights()
+        w1, w3, w2 = stacks = moe.experts._native_weights()
         keep += [router_w, bias, *stacks]
-        routed = [c.num_experts, moe.experts.w1.shape[1], c.num_experts_per_token, router_w.data_ptr(),
-                  bias.data_ptr(), int(c.router_activation != "sigmoid"), c.num_expert_group, c.topk_group,
-                  int(c.moe_renormalize), *(w.data_ptr() for w in stacks)]
-    shared, shared_columns = [0, 0, 0, 0], [0, 0, 0]
+        block.experts, block.expert_width, block.topk = c.num_experts, moe.experts.w1.shape[1], c.num_experts_per_token
+        block.router_w, block.router_bias = router_w.data_ptr(), bias.data_ptr()
+        block.softmax, block.renorm = int(c.router_activation != "sigmoid"), int(c.moe_renormalize)
+        block.groups, block.topk_group = c.num_expert_group, c.topk_group
+        block.w1, block.w3, block.w2 = w1.data_ptr(), w3.data_ptr(), w2.data_ptr()
     if mlp is not None:
         linears = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        packs, columns = [native_pack(m) for m in linears], [column_pack(m) for m in linears]
-        keep += packs + columns
-        shared = [mlp.gate_proj.out_features, *(p.data_ptr() for p in packs)]
-        shared_columns = [p.data_ptr() for p in columns]
-    latent, latent_eps = [0, 0, 0, 0], 0.0
+        (s1, s3, s2), (c_s1, c_s3, c_s2) = [native_pack(m) for m in linears], [column_pack(m) for m in linears]
+        keep += [s1, s3, s2, c_s1, c_s3, c_s2]
+        block.shared_width = mlp.gate_proj.out_features
+        block.s1, block.s3, block.s2 = s1.data_ptr(), s3.data_ptr(), s2.data_ptr()
+        block.c_s1, block.c_s3, block.c_s2 = c_s1.data_ptr(), c_s3.data_ptr(), c_s2.data_ptr()
     if moe is not None and moe.latent:
-        down, up, latent_norm = native_pack(moe.routed_expert_down_proj), native_pack(moe.routed_expert_up_proj), None
+        down, up = native_pack(moe.routed_expert_down_proj), native_pack(moe.routed_expert_up_proj)
+        keep += [down, up]
+        block.latent, block.w_down, block.w_up = moe.latent, down.data_ptr(), up.data_ptr()
         if moe.routed_expert_norm is not None:
-            latent_norm, latent_eps = moe.routed_expert_norm.weight, moe.routed_expert_norm.eps
-        keep += [t for t in (down, up, latent_norm) if t is not None]
-        latent = [moe.latent, down.data_ptr(), address(latent_norm), up.data_ptr()]
-    situ = situ_params(c)
-    ints = [c.hidden_size, norm.weight.data_ptr(), *routed, *shared, int(situ is not None), *latent, *shared_columns]
-    floats = [norm.eps, c.routed_scaling_factor, situ[0] if situ else 0.0,
-              math.nan if situ is None or situ[1] is None else situ[1], latent_eps]
-    return Descriptor(ints, floats, keep)
+            keep.append(moe.routed_expert_norm.weight)
+            block.latent_norm_w = moe.routed_expert_norm.weight.data_ptr()
+            block.latent_eps = moe.routed_expert_norm.eps
+    return Descriptor(block, keep)
 
 
 def ffn_block(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
@@ -124,8 +128,8 @@ def ffn_block(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | 
     if desc is None:
         return None
     out = torch.empty_like(x)
-    if native.native_library().ds_moe_block(desc.ints_address, desc.floats_address, x.data_ptr(), address(residual),
-                                            x.shape[0], out.data_ptr(), torch.get_num_threads()):
+    if native.native_library().ds_moe_block(desc.block, x.data_ptr(), address(residual), x.shape[0], out.data_ptr(),
+                                            torch.get_num_threads()):
         raise ValueError("fused FFN block: the router's expert and group counts are not valid")
     return out
 

@@ -1,6 +1,8 @@
-"""What a fused decode block (layers/fused_blocks.py) reads: its descriptor vectors and its per-layer plan."""
+"""What a fused decode block (layers/fused_blocks.py) reads: its descriptor and its per-layer plan."""
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -32,13 +34,11 @@ def address(t: torch.Tensor | None) -> int:
 
 
 class Descriptor:
-    """Integer and float descriptor vectors of one block, and the tensors whose addresses they hold (kept alive)."""
+    """One block's descriptor struct (ops/native_contract.py: `KdaBlock`, `MoeBlock`, `MlaBlock` or `DsaBlock`), its
+    address, and the tensors whose addresses it holds (kept alive)."""
 
-    def __init__(self, ints: list[int], floats: list[float], keep: list[torch.Tensor]):
-        self.ints = torch.tensor(ints, dtype=torch.int64)
-        self.floats = torch.tensor(floats, dtype=torch.float32)
-        self.ints_address, self.floats_address = self.ints.data_ptr(), self.floats.data_ptr()
-        self.keep = keep
+    def __init__(self, block: ctypes.Structure, keep: list[torch.Tensor]):
+        self.block, self.address, self.keep = block, ctypes.addressof(block), keep
 
 
 class Plan:

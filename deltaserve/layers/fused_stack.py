@@ -17,29 +17,30 @@ addresses, so it is rebuilt when the cache object or any weight it reads (storag
 
 from __future__ import annotations
 
-import struct
 from operator import attrgetter
 
 import torch
 
 from ..ops import native
 from ..ops.attn_res import attn_res_mix
+from ..ops.native_contract import (MAX_MIX_SOURCES, SOP_DSA, SOP_FFN, SOP_KDA, SOP_MIX, SOP_MLA, StackOp,
+                                   StackStep)
 from .batch import StepBatch
 from .fused_attention import dsa_pages, kda_pools, mla_pages, rotation, save_step_checkpoints, step_rows
-from .fused_plan import Plan, takes_block
+from .fused_plan import Plan, address, takes_block
 from .prepack import Derived
 
-_OPS = {"kda": 1, "mla": 2, "dsa": 3, "ffn": 4}  # native_src/stack.c SOP_*
-_MIX = 5
+_OPS = {"kda": SOP_KDA, "mla": SOP_MLA, "dsa": SOP_DSA, "ffn": SOP_FFN}
 _ERRORS = {"mla": IndexError, "dsa": IndexError, "ffn": ValueError}
 _FUSE_BLOCKS, _NATIVE = attrgetter("fuse_blocks"), attrgetter("native")  # read every step, so kept cheap
 
 
 class _Program:
-    """Op records (int64), the kind of each op, the register count and the register holding the output."""
+    """The op records (ops/native_contract.py `StackOp`), the kind of each op, the register count and the register
+    holding the output."""
 
-    def __init__(self, words: list[int], kinds: list[str], registers: int, output: int, keep: list):
-        self.ops = torch.tensor(words, dtype=torch.int64)
+    def __init__(self, ops: list[StackOp], kinds: list[str], registers: int, output: int, keep: list):
+        self.ops = (StackOp * len(ops))(*ops)
         self.kinds, self.registers, self.output, self.keep = kinds, registers, output, keep
 
 
@@ -47,7 +48,7 @@ class _Writer:
     """Writes op records and hands out registers; register 0 holds the embedded input."""
 
     def __init__(self):
-        self.words: list[int] = []
+        self.ops: list[StackOp] = []
         self.kinds: list[str] = []
         self.registers, self._free = 1, []
 
@@ -60,44 +61,46 @@ class _Writer:
     def release(self, reg: int) -> None:
         self._free.append(reg)
 
-    def op(self, kind: str, code: int, words: list[int]) -> None:
-        self.words += [code, len(words) + 2, *words]
+    def op(self, kind: str, op: StackOp) -> None:
+        self.ops.append(op)
         self.kinds.append(kind)
 
-    def block(self, block: tuple[str, list[int]], x: int, residual: int | None, out: int) -> None:
-        """One fused block: its kind and its fixed words (descriptor and cache addresses), over registers."""
+    def block(self, block: tuple[str, dict], x: int, residual: int | None, out: int) -> None:
+        """One fused block: its kind and its fixed fields (descriptor and cache addresses), over registers."""
         kind, fixed = block
-        self.op(kind, _OPS[kind], [x, -1 if residual is None else residual, out, *fixed])
+        self.op(kind, StackOp(kind=_OPS[kind], x=x, residual=-1 if residual is None else residual, out=out, **fixed))
 
     def mix(self, query, sources: list[int]) -> int:
         """The register of AttnRes's mix of `sources` (the source itself when there is one, as attn_res_mix)."""
         if len(sources) == 1:
             return sources[0]
         out = self.fresh()
-        eps_bits = struct.unpack("<i", struct.pack("<f", query.eps))[0]
-        self.op("mix", _MIX, [out, query.proj.weight[0].data_ptr(), query.norm.weight.data_ptr(), eps_bits,
-                              len(sources), *sources])
+        op = StackOp(kind=SOP_MIX, out=out, query=query.proj.weight[0].data_ptr(), norm_w=query.norm.weight.data_ptr(),
+                     eps=query.eps, nsources=len(sources))
+        held = sources[:MAX_MIX_SOURCES]  # a mix of more is left to the C side to reject: the step fails at this op
+        op.sources[:len(held)] = held
+        self.op("mix", op)
         return out
 
 
-def _cache_words(plan: Plan, cache) -> list[int] | None:
-    """The op's cache addresses (native_src/stack.c), or None when the cache is not in a layout the block reads."""
+def _cache_fields(plan: Plan, cache) -> dict | None:
+    """The op's cache fields (`StackOp`), or None when the cache is not in a layout the block reads."""
     if plan.kind == "kda":
         pools = kda_pools(plan.module, cache)
-        return None if pools is None else [pools[0].data_ptr(), pools[0].stride(0), pools[1].data_ptr(),
-                                           pools[1].stride(0)]
+        return None if pools is None else dict(conv=pools[0].data_ptr(), conv_stride=pools[0].stride(0),
+                                               rec=pools[1].data_ptr(), rec_stride=pools[1].stride(0))
     if plan.kind == "mla":
         latent = mla_pages(plan.module, cache)
-        return None if latent is None else _page_words(latent)
+        return None if latent is None else _page_fields(latent)
     if plan.kind == "dsa":
         pages = dsa_pages(plan.module, cache)
-        return None if pages is None else [*_page_words(pages[0]), pages[1].data_ptr(), pages[1].stride(0),
-                                           int(pages[1].dtype == torch.bfloat16)]
-    return []
+        return None if pages is None else dict(**_page_fields(pages[0]), keys=pages[1].data_ptr(),
+                                               ldk=pages[1].stride(0), keys_bf16=int(pages[1].dtype == torch.bfloat16))
+    return {}
 
 
-def _page_words(t: torch.Tensor) -> list[int]:
-    return [t.data_ptr(), t.stride(0), t.shape[0], int(t.dtype == torch.bfloat16)]
+def _page_fields(t: torch.Tensor) -> dict:
+    return dict(pages=t.data_ptr(), ld=t.stride(0), nrows=t.shape[0], pages_bf16=int(t.dtype == torch.bfloat16))
 
 
 def _mix_on_native(query) -> bool:
@@ -136,9 +139,8 @@ class DecodeStack:
         N, d = h.shape
         regs = torch.empty(program.registers, N, d, dtype=h.dtype)
         regs[0].copy_(h)
-        failed = native.native_library().ds_decode_stack(program.ops.data_ptr(), len(program.kinds), N, d,
-                                                         regs.data_ptr(), step[0].data_ptr(),
-                                                         torch.get_num_threads())
+        failed = native.native_library().ds_decode_stack(program.ops, len(program.kinds), N, d, regs.data_ptr(),
+                                                         step[0], torch.get_num_threads())
         if failed:
             kind = program.kinds[failed - 1]
             raise _ERRORS.get(kind, RuntimeError)(
@@ -168,9 +170,9 @@ class DecodeStack:
                 self._sources += [w for q in queries for w in (q.proj.weight, q.norm.weight)]
         return self._plans
 
-    def _step_inputs(self, batch: StepBatch, N: int) -> tuple[torch.Tensor, list] | None:
-        """native_src/stack.c STEP_* (as int64) and the tensors it points into, or None when this is not a pure
-        decode step every block takes."""
+    def _step_inputs(self, batch: StepBatch, N: int) -> tuple[StackStep, list] | None:
+        """The step's inputs (`StackStep`) and the tensors they point into, or None when this is not a pure decode
+        step every block takes."""
         slots = rows = write = cos_sin = None
         if "kda" in self._kinds:
             slots = batch.decode_slots
@@ -185,21 +187,20 @@ class DecodeStack:
             # every DSA layer's rotation is built from the same config keys, so one serves them all
             cos_sin = rotation(next(a.module for a, _ in self._plans if a.kind == "dsa"), batch)
         keep = [t for t in (slots, rows, write, cos_sin) if t is not None]
-        words = [t.data_ptr() if t is not None else 0 for t in (slots, rows)]
-        words += [0 if rows is None else rows.shape[1], 0 if write is None else write.data_ptr(),
-                  0 if cos_sin is None else cos_sin.data_ptr()]
-        return torch.tensor(words, dtype=torch.int64), keep
+        step = StackStep(slots=address(slots), rows=address(rows), width=0 if rows is None else rows.shape[1],
+                         write_rows=address(write), cos_sin=address(cos_sin))
+        return step, keep
 
     def _write(self, model: torch.nn.Module, cache) -> _Program | None:
         """The program of the current weights over `cache`, or None when some block does not apply to them."""
         blocks, keep = [], []
         for pair in self._plans:
             for plan in pair:
-                desc, words = plan.weights_descriptor(), _cache_words(plan, cache)
-                if desc is None or words is None:
+                desc, fields = plan.weights_descriptor(), _cache_fields(plan, cache)
+                if desc is None or fields is None:
                     return None
                 keep.append(desc)
-                blocks.append((plan.kind, [desc.ints_address, desc.floats_address, *words]))
+                blocks.append((plan.kind, dict(descriptor=desc.address, **fields)))
         layers = list(zip(blocks[::2], blocks[1::2]))  # (attention, FFN) of each layer
         w = _Writer()
         if model.config.attn_res_block_size is None:
@@ -211,7 +212,7 @@ class DecodeStack:
                 h = w.fresh()
                 w.block(ffn, a, a, h)
                 w.release(a)
-            return _Program(w.words, w.kinds, w.registers, h, keep)
+            return _Program(w.ops, w.kinds, w.registers, h, keep)
         bank: list[int] = []
         p = 0
         for layer, (attn, ffn) in zip(model.layers, layers):
@@ -234,4 +235,5 @@ class DecodeStack:
                 w.release(y)
             w.release(p)
             p = out
-        return _Program(w.words, w.kinds, w.registers, w.mix(model.output_attn_res, bank + [p]), keep)
+        output = w.mix(model.output_attn_res, bank + [p])
+        return _Program(w.ops, w.kinds, w.registers, output, keep)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.native import LINEAR_MAX_ROWS, native_usable
+from ..ops.native import native_usable
+from ..ops.native_contract import LINEAR_MAX_ROWS, MLP_MAX_ROWS
 
-MLP_MAX_ROWS = 8
 # The fused blocks (layers/fused_blocks.py) and the decode stack take steps of up to this many rows (KDA and FFN
 # blocks any step's rows, MLA blocks and the stack decode steps): above LINEAR_MAX_ROWS their products read the
 # column packs, as the modules do. The bound is high because the Python and torch glue between the kernels is a

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import native
+from .native_contract import LINEAR_MAX_ROWS
 from .qli import write_index_keys
 from .qsfa import write_latent
 from .rope import rotate_half_split, rotate_interleaved
@@ -264,7 +265,7 @@ def mla_preprocess(x: Tensor, weights: MLAWeights, positions: Tensor | None = No
 
 
 def _few_native_rows(x: Tensor, W: MLAWeights, name: str) -> bool:
-    return (name in W.packed and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= native.LINEAR_MAX_ROWS
+    return (name in W.packed and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= LINEAR_MAX_ROWS
             and x.stride(-1) == 1)
 
 

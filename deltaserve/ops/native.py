@@ -1,7 +1,7 @@
 """The native CPU kernels (`native_src/`: products.c, experts.c, tiles.c, attention.c, blocks.c, indexer.c, stack.c,
-sampling.c, common.h, kernels.h): built once per machine, loaded through ctypes. On CPUs with AMX-BF16 the
-column-packed products (linears above 4 rows, the routed and shared experts) run on the tile unit from 4 rows up
-(`tiles_usable`).
+sampling.c, common.h, kernels.h, contract.h): built once per machine, loaded through ctypes with the entry points'
+signatures of ops/native_contract.py. On CPUs with AMX-BF16 the column-packed products (linears above 4 rows, the
+routed and shared experts) run on the tile unit from 4 rows up (`tiles_usable`).
 
 The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
 into the cache folder (`envs.cache_dir()`), under a name that hashes the sources, the flags and the compiler, so
@@ -31,27 +31,27 @@ from pathlib import Path
 import torch
 
 from .. import envs
+from .native_contract import LinearTask, set_signatures
 
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("native_src")
-_F = ctypes.c_float
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
-# Plain linears take the native dot tiles on their row packs up to this many rows and the column-packed product
-# (`linear_columns`) above it (layers/native_path.py says why); native_src/kernels.h holds the same bound.
-LINEAR_MAX_ROWS = 4
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
+
+
+def compiler() -> str | None:
+    """The system C compiler the library is built with (`cc`, else `gcc`), or None."""
+    return shutil.which("cc") or shutil.which("gcc")
 
 
 @functools.lru_cache(maxsize=1)
 def native_library() -> ctypes.CDLL | None:
     """The loaded kernels, or None when no compiler or the build fails (logged once)."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         log.warning("no C compiler: native decode kernels off, torch paths used")
         return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     files = sorted(SOURCES.glob("*.[ch]"))
     digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
     for f in files:
@@ -67,56 +67,14 @@ def native_library() -> ctypes.CDLL | None:
             return None
         os.close(fd)
         sources = [str(f) for f in files if f.suffix == ".c"]
-        build = subprocess.run([compiler, *FLAGS, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
+        build = subprocess.run([cc, *FLAGS, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
         if build.returncode != 0:
             os.unlink(tmp)
             log.warning("building the native kernels failed, torch paths used:\n%s", build.stderr[-2000:])
             return None
         os.replace(tmp, target)
     lib = ctypes.CDLL(str(target))
-    lib.ds_linear_bf16.argtypes = [_I, _I, _I, _P, ctypes.c_int]
-    lib.ds_linear_bf16.restype = None
-    lib.ds_moe_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                ctypes.c_float, _P, _P, _P, _I, ctypes.c_int, _P, _P, ctypes.c_int]
-    lib.ds_moe_bf16.restype = ctypes.c_int
-    lib.ds_linear_columns.argtypes = [_P, _I, _I, _I, _P, _I, _P, ctypes.c_int, ctypes.c_int]
-    lib.ds_linear_columns.restype = None
-    lib.ds_heads_columns.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _P, ctypes.c_int, ctypes.c_int]
-    lib.ds_heads_columns.restype = None
-    lib.ds_argmax_rows.argtypes = [_P, _I, _I, _I, _P, ctypes.c_int]
-    lib.ds_argmax_rows.restype = None
-    lib.ds_tiles_usable.argtypes = []
-    lib.ds_tiles_usable.restype = ctypes.c_int
-    lib.ds_kda_step.argtypes = [_I, _P, _I, _I, _P, _I, ctypes.c_int, _P, _I, _P, _I, _P, _P, ctypes.c_float, _P,
-                                _I, _P, _P, ctypes.c_int]
-    lib.ds_kda_step.restype = None
-    lib.ds_qsfa.argtypes = [_I, _I, _I, _I, _P, _P, _P, _I, _I, ctypes.c_int, _P, _I, ctypes.c_float, _P, _P,
-                            ctypes.c_int]
-    lib.ds_qsfa.restype = ctypes.c_int
-    lib.ds_rmsnorm_bf16.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, ctypes.c_int]
-    lib.ds_rmsnorm_bf16.restype = None
-    lib.ds_gated_rmsnorm_bf16.argtypes = [_P, _I, _I, _P, _I, _P, ctypes.c_float, _P, ctypes.c_int]
-    lib.ds_gated_rmsnorm_bf16.restype = None
-    lib.ds_kda_gate.argtypes = [_P, _I, _P, _I, _I, _I, _I, _P, _P, _F, _P, _P, ctypes.c_int]
-    lib.ds_kda_gate.restype = None
-    lib.ds_router.argtypes = [_P, _I, _I, _I, _P, _P, _I, ctypes.c_int, _I, _I, _I, ctypes.c_int, _F, _P, _P,
-                              ctypes.c_int]
-    lib.ds_router.restype = ctypes.c_int
-    lib.ds_kda_block.argtypes = [_P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _I, _P, ctypes.c_int]
-    lib.ds_kda_block.restype = None
-    lib.ds_moe_block.argtypes = [_P, _P, _P, _P, _I, _P, ctypes.c_int]
-    lib.ds_moe_block.restype = ctypes.c_int
-    lib.ds_mla_block.argtypes = [_P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, ctypes.c_int, _P, ctypes.c_int]
-    lib.ds_mla_block.restype = ctypes.c_int
-    lib.ds_dsa_block.argtypes = [_P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, ctypes.c_int, _P, _I, ctypes.c_int, _P,
-                                 _P, ctypes.c_int]
-    lib.ds_dsa_block.restype = ctypes.c_int
-    lib.ds_attn_res_mix.argtypes = [_P, _I, _I, _I, _P, _P, _F, _P, ctypes.c_int]
-    lib.ds_attn_res_mix.restype = None
-    lib.ds_index_select.argtypes = [_P, _P, _I, _I, _P, _I, _P, _I, ctypes.c_int, _I, _P, ctypes.c_int]
-    lib.ds_index_select.restype = None
-    lib.ds_decode_stack.argtypes = [_P, _I, _I, _I, _P, _P, ctypes.c_int]
-    lib.ds_decode_stack.restype = ctypes.c_int64
+    set_signatures(lib)
     return lib
 
 
@@ -210,15 +168,15 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Te
             and tuple(packed.shape) == packed_shape((n_out, K))):
         raise ValueError("linear_packed takes bf16 x [M, K] with contiguous rows and a pack_rows weight of that K")
     y = torch.empty(M, n_out, dtype=torch.bfloat16)
-    desc = (ctypes.c_int64 * 7)(packed.data_ptr(), -1, n_out, y.data_ptr(), n_out, x.data_ptr(), x.stride(0))
-    native_library().ds_linear_bf16(M, K, 1, desc, torch.get_num_threads())
+    task = LinearTask(w=packed.data_ptr(), ldw=-1, n=n_out, y=y.data_ptr(), ldy=n_out, x=x.data_ptr(), ldx=x.stride(0))
+    native_library().ds_linear_bf16(M, K, 1, task, torch.get_num_threads())
     return y
 
 
 def linear_columns(x: torch.Tensor, packed: torch.Tensor, n_out: int, tiles: bool = True) -> torch.Tensor:
     """x [M, K] (bf16, contiguous rows) @ W^T for W [n_out, K] packed by `pack_columns`, any M; returns [M, n_out]
     bf16, each output rounded once from its fp32 sum (native_src/experts.c ds_linear_columns). With `tiles`, from
-    TILE_MIN_ROWS (native_src/kernels.h) rows on the AMX tile unit where the CPU has one (`tiles_usable`), the
+    TILE_MIN_ROWS (ops/native_contract.py) rows on the AMX tile unit where the CPU has one (`tiles_usable`), the
     AVX512 pair products otherwise: the same contract, another fp32 summation order (native_src/tiles.c)."""
     M, K = x.shape
     if not (_rows(x) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
@@ -239,12 +197,12 @@ def linear_heads(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Ten
             and packed.is_contiguous() and tuple(packed.shape) == packed_shape((H, n_out, K))):
         raise ValueError("linear_heads takes bf16 x [T, H, K] and pack_rows of weights [H, n_out, K]")
     y = torch.empty(T, H, n_out, dtype=torch.bfloat16)
-    desc = (ctypes.c_int64 * (7 * H))()
     w0, y0, x0 = packed.data_ptr(), y.data_ptr(), x.data_ptr()
-    for h in range(H):  # byte addresses of head h's weight, output and input (2 bytes an element)
-        desc[7 * h:7 * h + 7] = [w0 + 2 * h * packed.stride(0), -1, n_out, y0 + 2 * h * n_out, H * n_out,
-                                 x0 + 2 * h * x.stride(1), x.stride(0)]
-    native_library().ds_linear_bf16(T, K, H, desc, torch.get_num_threads())
+    # byte addresses of head h's weight, output and input (2 bytes an element)
+    tasks = (LinearTask * H)(*(LinearTask(w=w0 + 2 * h * packed.stride(0), ldw=-1, n=n_out, y=y0 + 2 * h * n_out,
+                                          ldy=H * n_out, x=x0 + 2 * h * x.stride(1), ldx=x.stride(0))
+                               for h in range(H)))
+    native_library().ds_linear_bf16(T, K, H, tasks, torch.get_num_threads())
     return y
 
 

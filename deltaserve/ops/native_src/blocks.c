@@ -4,26 +4,23 @@
  * bit for bit; the DSA block's LayerNorm and sigmoid to fp32 rounding), for the few-row steps where the Python
  * and torch glue between ~10 kernel calls a layer costs about as much as the products.
  *
- * Each block is described by a vector of int64 (dimensions and the addresses of the packed weights, built once
- * per layer by layers/fused_blocks.py) and one of floats (epsilons, scales); scratch is allocated per call. */
+ * Each block is described by its struct of contract.h (dimensions, the addresses of the packed weights, epsilons
+ * and scales; ops/native_contract.py, built once per layer by layers/fused_blocks.py); scratch is allocated per
+ * call. */
 #include "kernels.h"
-
-enum { KB_D, KB_H, KB_K, KB_W, KB_NIN, KB_NORM_W, KB_W_IN, KB_W_FB, KB_W_GB, KB_DT_BIAS, KB_A_LOG, KB_CONV_W,
-       KB_ONORM_W, KB_W_O, KB_C_IN, KB_C_FB, KB_C_GB, KB_C_O };
-enum { KBF_EPS, KBF_ONORM_EPS, KBF_LOWER_BOUND, KBF_SCALE };
 
 /* y [M, N] (contiguous) = rows of x [M, K] at stride ldx @ W^T for one weight W [N, K] given in both native packs,
  * as the linears' own `native_product` picks them by row count (layers/prepack.py): the row-packed dot tiles
  * (`rows`) up to LINEAR_MAX_ROWS rows, the column pack (`cols`, on the tile unit where there is one) above. The
  * two forms sum in other fp32 orders, so a block takes the form its module would. A block that runs only a few
- * rows (the DSA block, K3's latent projections) passes no column pack (0): the dot tiles at any count. */
-static void product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, int64_t rows, int64_t cols, int64_t N, bf16 *y,
-                    int nthreads) {
-    if (M <= LINEAR_MAX_ROWS || cols == 0) {
-        int64_t task[7] = {rows, -1, N, (int64_t)y, N, (int64_t)x, ldx};
-        ds_linear_bf16(M, K, 1, task, nthreads);
+ * rows (the DSA block, K3's latent projections) passes no column pack (NULL): the dot tiles at any count. */
+static void product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *rows, const bf16 *cols, int64_t N,
+                    bf16 *y, int nthreads) {
+    if (M <= LINEAR_MAX_ROWS || cols == NULL) {
+        linear_task task = {.w = rows, .ldw = -1, .n = N, .y = y, .ldy = N, .x = x, .ldx = ldx};
+        ds_linear_bf16(M, K, 1, &task, nthreads);
     } else {
-        ds_linear_columns(x, M, ldx, K, (const bf16 *)cols, N, y, 1, nthreads);
+        ds_linear_columns(x, M, ldx, K, cols, N, y, 1, nthreads);
     }
 }
 
@@ -45,15 +42,15 @@ static void residual_add(const bf16 *r, const bf16 *a, int64_t n, bf16 *out, int
 /* out = r + KDA(rmsnorm(x)) for N tokens of nseq sequences, sequence b's rows cu[b] .. cu[b+1] (cu NULL: a decode
  * step, one token per sequence, nseq = N), states in place in their slots (layers/kda.py for the math and
  * roundings: its decode and varlen calls are this one ds_kda_step). The input projections are stacked
- * q | k | v | f_a | b | g (g: g_a of width K, or the full-rank gate of width H K when desc[KB_W_GB] is 0); f_b and
- * g_b are K -> H K, o_proj H K -> D; each weight row-packed (KB_W_*) and column-packed (KB_C_*, read above
+ * q | k | v | f_a | b | g (g: g_a of width K, or the full-rank gate of width H K when d->w_gb is NULL); f_b and
+ * g_b are K -> H K, o_proj H K -> D; each weight row-packed (d->w_*) and column-packed (d->c_*, read above
  * LINEAR_MAX_ROWS rows). conv [slots, 3 H K, W-1] and rec [slots, H, K, K] at the given slot strides; slots [nseq]
  * (< 0: padding, no state touched). x, r (NULL: none) and out [N, D] bf16 contiguous. */
-void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N, int64_t nseq,
+void ds_kda_block(const kda_block *d, const bf16 *xin, const bf16 *r, int64_t N, int64_t nseq,
                   const int64_t *cu_rows, const int64_t *slots, float *conv, int64_t conv_stride, float *rec,
                   int64_t rec_stride, bf16 *out, int nthreads) {
-    int64_t D = desc[KB_D], H = desc[KB_H], K = desc[KB_K], W = desc[KB_W], NIN = desc[KB_NIN], P = H * K;
-    int full_rank = desc[KB_W_GB] == 0;
+    int64_t D = d->hidden, H = d->heads, K = d->head_dim, W = d->conv_width, NIN = d->in_width, P = H * K;
+    int full_rank = d->w_gb == NULL;
     /* one allocation a buffer: a prefill chunk's scratch in one piece (~50 MiB at 2,048 rows) would pass glibc's
      * largest mmap threshold (32 MiB) and be mapped, and faulted in, afresh on every call (engine/heap.py) */
     bf16 *x = malloc(sizeof(bf16) * (size_t)(N * D)), *y = malloc(sizeof(bf16) * (size_t)(N * NIN));
@@ -64,49 +61,41 @@ void ds_kda_block(const int64_t *desc, const float *fdesc, const bf16 *xin, cons
     int64_t *cu = malloc(sizeof(int64_t) * (size_t)(nseq + 1));
     for (int64_t i = 0; i <= nseq; i++) cu[i] = cu_rows ? cu_rows[i] : i;
 
-    ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[KB_NORM_W], fdesc[KBF_EPS], x, nthreads);
-    product(x, N, D, D, desc[KB_W_IN], desc[KB_C_IN], NIN, y, nthreads);
+    ds_rmsnorm_bf16(xin, N, D, D, d->norm_w, d->eps, x, nthreads);
+    product(x, N, D, D, d->w_in, d->c_in, NIN, y, nthreads);
     const bf16 *f_a = y + 3 * P, *b = f_a + K, *g_in = b + H;
     if (N <= LINEAR_MAX_ROWS) { /* both gate products in one call */
-        int64_t gate_tasks[14] = {desc[KB_W_FB], -1, P, (int64_t)u, P, (int64_t)f_a, NIN,
-                                  desc[KB_W_GB], -1, P, (int64_t)gate, P, (int64_t)g_in, NIN};
+        linear_task gate_tasks[2] = {{.w = d->w_fb, .ldw = -1, .n = P, .y = u, .ldy = P, .x = f_a, .ldx = NIN},
+                                     {.w = d->w_gb, .ldw = -1, .n = P, .y = gate, .ldy = P, .x = g_in, .ldx = NIN}};
         ds_linear_bf16(N, K, full_rank ? 1 : 2, gate_tasks, nthreads);
     } else {
-        product(f_a, N, NIN, K, desc[KB_W_FB], desc[KB_C_FB], P, u, nthreads);
-        if (!full_rank) product(g_in, N, NIN, K, desc[KB_W_GB], desc[KB_C_GB], P, gate, nthreads);
+        product(f_a, N, NIN, K, d->w_fb, d->c_fb, P, u, nthreads);
+        if (!full_rank) product(g_in, N, NIN, K, d->w_gb, d->c_gb, P, gate, nthreads);
     }
     if (full_rank) /* the gate's rows, contiguous for the per-head norm */
         for (int64_t i = 0; i < N; i++) memcpy(gate + i * P, g_in + i * NIN, sizeof(bf16) * (size_t)P);
-    ds_kda_gate(u, P, b, NIN, N, H, K, (const float *)desc[KB_DT_BIAS], (const float *)desc[KB_A_LOG],
-                fdesc[KBF_LOWER_BOUND], g, beta, nthreads);
-    ds_kda_step(nseq, cu, H, K, y, NIN, 1, (const float *)desc[KB_CONV_W], W, conv, conv_stride, g, beta,
-                fdesc[KBF_SCALE], rec, rec_stride, slots, core, nthreads);
-    ds_gated_rmsnorm_bf16(core, N * H, K, gate, K, (const float *)desc[KB_ONORM_W], fdesc[KBF_ONORM_EPS], o,
-                          nthreads);
-    product(o, N, P, P, desc[KB_W_O], desc[KB_C_O], D, a, nthreads);
+    ds_kda_gate(u, P, b, NIN, N, H, K, d->dt_bias, d->a_log, d->lower_bound, g, beta, nthreads);
+    ds_kda_step(nseq, cu, H, K, y, NIN, 1, d->conv_w, W, conv, conv_stride, g, beta, d->scale, rec, rec_stride,
+                slots, core, nthreads);
+    ds_gated_rmsnorm_bf16(core, N * H, K, gate, K, d->onorm_w, d->onorm_eps, o, nthreads);
+    product(o, N, P, P, d->w_o, d->c_o, D, a, nthreads);
     residual_add(r, a, N * D, out, nthreads);
     void *buffers[] = {x, y, u, gate, o, a, g, core, beta, cu};
     for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
 }
 
-enum { MB_D, MB_NORM_W, MB_E, MB_I, MB_K, MB_ROUTER_W, MB_BIAS, MB_SOFTMAX, MB_GROUPS, MB_TOPK_GROUP, MB_RENORM,
-       MB_W1, MB_W3, MB_W2, MB_SHARED_I, MB_S1, MB_S3, MB_S2, MB_ACT, MB_LATENT, MB_W_DOWN, MB_LATENT_NORM_W, MB_W_UP,
-       MB_C_S1, MB_C_S3, MB_C_S2 };
-enum { MBF_EPS, MBF_SCALE, MBF_BETA, MBF_LIN_BETA, MBF_LATENT_EPS };
-
 /* out = r + FFN(rmsnorm(x)) for T tokens, where FFN is routed experts (E > 0: the router on the normed x, then the
  * fused expert kernel over the column-packed stacks, experts.c; with a latent width L > 0, K3's latent form: the
  * experts run on down(x) [T, L], their output optionally RMS-normed, then up to D) plus a shared or dense gated MLP
- * (shared width > 0: the expert kernel with one expert of weight 1, on its row packs MB_S* up to MLP_MAX_ROWS tokens
- * and its column packs MB_C_* above, as layers/mlp.py; above MLP_MAX_ROWS a plain MoE's shared MLP runs in the
+ * (shared width > 0: the expert kernel with one expert of weight 1, on its row packs d->s* up to MLP_MAX_ROWS tokens
+ * and its column packs d->c_s* above, as layers/mlp.py; above MLP_MAX_ROWS a plain MoE's shared MLP runs in the
  * routed pass), the two outputs each rounded to bf16 and summed in bf16 (layers/moe.py, layers/mlp.py). x, r
  * (NULL: none) and out [T, D] bf16 contiguous. Returns 0, or -1 (nothing written) when the router rejects its
  * shape. */
-int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t T, bf16 *out,
-                 int nthreads) {
-    int64_t D = desc[MB_D], E = desc[MB_E], I = desc[MB_I], k = desc[MB_K], IS = desc[MB_SHARED_I];
-    int64_t L = desc[MB_LATENT], DE = L > 0 ? L : D; /* the experts' input and output width */
-    int act = (int)desc[MB_ACT];
+int ds_moe_block(const moe_block *d, const bf16 *xin, const bf16 *r, int64_t T, bf16 *out, int nthreads) {
+    int64_t D = d->hidden, E = d->experts, I = d->expert_width, k = d->topk, IS = d->shared_width;
+    int64_t L = d->latent, DE = L > 0 ? L : D; /* the experts' input and output width */
+    int act = (int)d->situ;
     int64_t hrows = (E > 0 ? T * k * I : 0) + T * IS;
     /* one allocation a buffer, as ds_kda_block's */
     bf16 *x = malloc(sizeof(bf16) * (size_t)(T * D)), *routed = malloc(sizeof(bf16) * (size_t)(T * D));
@@ -123,26 +112,23 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     /* above MLP_MAX_ROWS a plain MoE's shared MLP runs in the routed experts' pass, as layers/moe.py does: its
      * compute-bound products overlap the experts' weight stream, where a separate call would run them after it */
     int bad = 0, in_pass = E > 0 && L == 0 && IS > 0 && T > MLP_MAX_ROWS;
-    ds_rmsnorm_bf16(xin, T, D, D, (const bf16 *)desc[MB_NORM_W], fdesc[MBF_EPS], x, nthreads);
+    ds_rmsnorm_bf16(xin, T, D, D, d->norm_w, d->eps, x, nthreads);
     if (E > 0) {
-        bad = ds_router(x, T, D, D, (const float *)desc[MB_ROUTER_W], (const float *)desc[MB_BIAS], E,
-                        (int)desc[MB_SOFTMAX], desc[MB_GROUPS], desc[MB_TOPK_GROUP], k, (int)desc[MB_RENORM],
-                        fdesc[MBF_SCALE], experts, weights, nthreads);
+        bad = ds_router(x, T, D, D, d->router_w, d->router_bias, E, (int)d->softmax, d->groups, d->topk_group, k,
+                        (int)d->renorm, d->routed_scale, experts, weights, nthreads);
         if (L > 0)
-            product(x, T, D, D, desc[MB_W_DOWN], 0, L, xe, nthreads);
+            product(x, T, D, D, d->w_down, NULL, L, xe, nthreads);
         if (!bad)
-            bad = ds_moe_bf16(L > 0 ? xe : x, T, DE, experts, weights, k, (const bf16 *)desc[MB_W1],
-                              (const bf16 *)desc[MB_W3], (const bf16 *)desc[MB_W2], E, I, 2, act, fdesc[MBF_BETA],
-                              fdesc[MBF_LIN_BETA], (const bf16 *)desc[MB_C_S1], (const bf16 *)desc[MB_C_S3],
-                              (const bf16 *)desc[MB_C_S2], in_pass ? IS : 0, 1, hbuf, L > 0 ? ye : routed, nthreads);
+            bad = ds_moe_bf16(L > 0 ? xe : x, T, DE, experts, weights, k, d->w1, d->w3, d->w2, E, I, 2, act,
+                              d->situ_beta, d->situ_linear_beta, d->c_s1, d->c_s3, d->c_s2, in_pass ? IS : 0, 1,
+                              hbuf, L > 0 ? ye : routed, nthreads);
         if (!bad && L > 0) {
             const bf16 *latent_out = ye;
-            if (desc[MB_LATENT_NORM_W]) {
-                ds_rmsnorm_bf16(ye, T, L, L, (const bf16 *)desc[MB_LATENT_NORM_W], fdesc[MBF_LATENT_EPS], yn,
-                                nthreads);
+            if (d->latent_norm_w) {
+                ds_rmsnorm_bf16(ye, T, L, L, d->latent_norm_w, d->latent_eps, yn, nthreads);
                 latent_out = yn;
             }
-            product(latent_out, T, L, L, desc[MB_W_UP], 0, D, routed, nthreads);
+            product(latent_out, T, L, L, d->w_up, NULL, D, routed, nthreads);
         }
     }
     if (!bad && IS > 0 && !in_pass) {
@@ -151,10 +137,9 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
             weights[t] = 1.f;
         }
         int cols = T > MLP_MAX_ROWS;
-        ds_moe_bf16(x, T, D, experts, weights, 1, (const bf16 *)desc[cols ? MB_C_S1 : MB_S1],
-                    (const bf16 *)desc[cols ? MB_C_S3 : MB_S3], (const bf16 *)desc[cols ? MB_C_S2 : MB_S2], 1, IS,
-                    cols ? 2 : 1, act, fdesc[MBF_BETA], fdesc[MBF_LIN_BETA], NULL, NULL, NULL, 0,
-                    1, hbuf + (E > 0 ? T * k * I : 0), shared, nthreads);
+        ds_moe_bf16(x, T, D, experts, weights, 1, cols ? d->c_s1 : d->s1, cols ? d->c_s3 : d->s3,
+                    cols ? d->c_s2 : d->s2, 1, IS, cols ? 2 : 1, act, d->situ_beta, d->situ_linear_beta, NULL, NULL,
+                    NULL, 0, 1, hbuf + (E > 0 ? T * k * I : 0), shared, nthreads);
         if (E > 0)
             residual_add(routed, shared, T * D, routed, nthreads);
         else
@@ -166,26 +151,20 @@ int ds_moe_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     return bad;
 }
 
-enum { AB_D, AB_H, AB_N, AB_RHO, AB_V, AB_R, AB_NORM_W, AB_W_Q, AB_W_KVA, AB_KVA_NORM_W, AB_W_UK, AB_W_UV,
-       AB_W_O, AB_C_Q, AB_C_KVA, AB_C_UK, AB_C_UV, AB_C_O };
-enum { ABF_EPS, ABF_KVA_EPS, ABF_SCALE };
-
 /* y[:, h] = x[:, h] W_h^T for each of H heads: x rows at stride ldx with head h at column h * hx, W_h [n_out, K]
  * packed per head (one packed matrix after another: row-packed up to LINEAR_MAX_ROWS rows, column-packed above, as
  * layers/mla.py's absorptions), y [N, H * n_out]. */
-static void heads_linear(const bf16 *x, int64_t N, int64_t ldx, int64_t hx, int64_t H, int64_t K, int64_t packed,
-                         int64_t n_out, bf16 *y, int nthreads) {
+static void heads_linear(const bf16 *x, int64_t N, int64_t ldx, int64_t hx, int64_t H, int64_t K,
+                         const bf16 *packed, int64_t n_out, bf16 *y, int nthreads) {
     if (N > LINEAR_MAX_ROWS) { /* `packed` is then pack_columns of the heads [H, n_out, K] (layers/mla.py) */
-        ds_heads_columns(x, N, ldx, hx, H, K, (const bf16 *)packed, n_out, y, 1, nthreads);
+        ds_heads_columns(x, N, ldx, hx, H, K, packed, n_out, y, 1, nthreads);
         return;
     }
-    int64_t *tasks = malloc(sizeof(int64_t) * (size_t)(7 * H));
-    for (int64_t h = 0; h < H; h++) {
-        int64_t *t = tasks + 7 * h;
-        t[0] = packed + 2 * h * ((n_out + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(K));
-        t[1] = -1, t[2] = n_out, t[3] = (int64_t)(y + h * n_out), t[4] = H * n_out;
-        t[5] = (int64_t)(x + h * hx), t[6] = ldx;
-    }
+    linear_task *tasks = malloc(sizeof(linear_task) * (size_t)H);
+    for (int64_t h = 0; h < H; h++)
+        tasks[h] = (linear_task){.w = packed + h * ((n_out + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * padded_k(K)),
+                                 .ldw = -1, .n = n_out, .y = y + h * n_out, .ldy = H * n_out, .x = x + h * hx,
+                                 .ldx = ldx};
     ds_linear_bf16(N, K, H, tasks, nthreads);
     free(tasks);
 }
@@ -194,7 +173,7 @@ static void heads_linear(const bf16 *x, int64_t N, int64_t ldx, int64_t hx, int6
  * per head, QSFA over rows selected[i, :] (up to the first -1) of pages [nrows, R + RHO] (stride ld), the latent
  * output rounded to bf16, vals [N, H V] = out_lat W_UV^T per head. Returns ds_qsfa's status. */
 static int attend_absorbed(const bf16 *q, int64_t N, int64_t H, int64_t NOPE, int64_t RHO, int64_t R, int64_t V,
-                           int64_t w_uk, int64_t w_uv, const int64_t *selected, int64_t nsel, const void *pages,
+                           const bf16 *w_uk, const bf16 *w_uv, const int64_t *selected, int64_t nsel, const void *pages,
                            int64_t ld, int64_t nrows, int pages_bf16, float scale, bf16 *vals, int nthreads) {
     int64_t QW = H * (NOPE + RHO);
     bf16 *qlat = malloc(sizeof(bf16) * (size_t)(2 * N * H * R)), *olat = qlat + N * H * R;
@@ -240,28 +219,28 @@ static int rows_in_range(const int64_t *write_rows, const int64_t *selected, int
 /* out = r + MLA(rmsnorm(x)) for N decode tokens of Kimi's dense NoPE MLA (layers/mla.py: q_proj, kv_a_proj and
  * its norm, the cache row [c | k_pe] written at write_rows[i] (< 0: not written), then `attend_absorbed` over every
  * row of the sequence so far, o_proj). pages [nrows, R + RHO] at row stride ld, bf16 (pages_bf16) or fp32. W_UK^T
- * [H, R, N] and W_UV [H, V, R] packed per head; every weight row-packed (AB_W_*) and column-packed (AB_C_*, read
+ * [H, R, N] and W_UV [H, V, R] packed per head; every weight row-packed (d->w_*) and column-packed (d->c_*, read
  * above LINEAR_MAX_ROWS rows). x, r (NULL: none) and out [N, D] bf16 contiguous. Returns 0, or
  * -1 (nothing written) when a selected or written row is not below nrows. */
-int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
-                 const int64_t *selected, int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld,
-                 int64_t nrows, int pages_bf16, bf16 *out, int nthreads) {
-    int64_t D = desc[AB_D], H = desc[AB_H], NOPE = desc[AB_N], RHO = desc[AB_RHO], V = desc[AB_V], R = desc[AB_R];
+int ds_mla_block(const mla_block *d, const bf16 *xin, const bf16 *r, int64_t N, const int64_t *selected,
+                 int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld, int64_t nrows, int pages_bf16,
+                 bf16 *out, int nthreads) {
+    int64_t D = d->hidden, H = d->heads, NOPE = d->nope, RHO = d->rope, V = d->v_dim, R = d->rank;
     int64_t QW = H * (NOPE + RHO), CW = R + RHO;
     if (!rows_in_range(write_rows, selected, N, nsel, nrows)) return -1;
     bf16 *x = malloc(sizeof(bf16) * (size_t)(N * (D + QW + 2 * CW + H * V + D)));
     bf16 *q = x + N * D, *ckv = q + N * QW, *row = ckv + N * CW, *vals = row + N * CW, *a = vals + N * H * V;
 
-    ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[AB_NORM_W], fdesc[ABF_EPS], x, nthreads);
+    ds_rmsnorm_bf16(xin, N, D, D, d->norm_w, d->eps, x, nthreads);
     if (N <= LINEAR_MAX_ROWS) { /* q_proj and kv_a_proj in one call */
-        int64_t proj[14] = {desc[AB_W_Q], -1, QW, (int64_t)q, QW, (int64_t)x, D,
-                            desc[AB_W_KVA], -1, CW, (int64_t)ckv, CW, (int64_t)x, D};
+        linear_task proj[2] = {{.w = d->w_q, .ldw = -1, .n = QW, .y = q, .ldy = QW, .x = x, .ldx = D},
+                               {.w = d->w_kva, .ldw = -1, .n = CW, .y = ckv, .ldy = CW, .x = x, .ldx = D}};
         ds_linear_bf16(N, D, 2, proj, nthreads);
     } else {
-        product(x, N, D, D, desc[AB_W_Q], desc[AB_C_Q], QW, q, nthreads);
-        product(x, N, D, D, desc[AB_W_KVA], desc[AB_C_KVA], CW, ckv, nthreads);
+        product(x, N, D, D, d->w_q, d->c_q, QW, q, nthreads);
+        product(x, N, D, D, d->w_kva, d->c_kva, CW, ckv, nthreads);
     }
-    ds_rmsnorm_bf16(ckv, N, R, CW, (const bf16 *)desc[AB_KVA_NORM_W], fdesc[ABF_KVA_EPS], row, nthreads);
+    ds_rmsnorm_bf16(ckv, N, R, CW, d->kva_norm_w, d->kva_eps, row, nthreads);
     for (int64_t i = N - 1; i >= 0; i--) { /* rows [c | k_pe]: c came out packed [N, R], spread it from the back */
         memmove(row + i * CW, row + i * R, sizeof(bf16) * (size_t)R);
         memcpy(row + i * CW + R, ckv + i * CW + R, sizeof(bf16) * (size_t)RHO);
@@ -269,18 +248,15 @@ int ds_mla_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
     for (int64_t i = 0; i < N; i++)
         if (write_rows[i] >= 0) store_row(pages, pages_bf16, ld, write_rows[i], row + i * CW, CW);
     int wide = N > LINEAR_MAX_ROWS;
-    int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, desc[wide ? AB_C_UK : AB_W_UK], desc[wide ? AB_C_UV : AB_W_UV],
-                              selected, nsel, pages, ld, nrows, pages_bf16, fdesc[ABF_SCALE], vals, nthreads);
+    int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, wide ? d->c_uk : d->w_uk, wide ? d->c_uv : d->w_uv,
+                              selected, nsel, pages, ld, nrows, pages_bf16, d->scale, vals, nthreads);
     if (!bad) {
-        product(vals, N, H * V, H * V, desc[AB_W_O], desc[AB_C_O], D, a, nthreads);
+        product(vals, N, H * V, H * V, d->w_o, d->c_o, D, a, nthreads);
         residual_add(r, a, N * D, out, nthreads);
     }
     free(x);
     return bad;
 }
-
-enum { DB_D, DB_H, DB_N, DB_RHO, DB_V, DB_R, DB_RQ, DB_NA, DB_G, DB_DI, DB_IROPE, DB_NORM_W, DB_W_A, DB_QA_NORM_W,
-       DB_W_QB, DB_KVA_NORM_W, DB_IK_NORM_W, DB_IK_NORM_B, DB_W_UK, DB_W_UV, DB_W_O, DB_HI, DB_TOPK, DB_W_IQ };
 
 /* RoPE on bf16 x in place with cos/sin [half] fp32, each product and sum rounded as torch's separate ops
  * (layers/rope.py): interleaved pairs (2j, 2j+1), laid out [rotated evens | rotated odds]; or half-split pairs
@@ -297,27 +273,26 @@ static void rope_bf16(bf16 *x, const float *c, const float *s, int64_t half, int
         x[half + j] = f32_to_bf16(bc + as);
     }
 }
-enum { DBF_EPS, DBF_Q_EPS, DBF_KV_EPS, DBF_INDEX_EPS, DBF_SCALE, DBF_IW_SCALE, DBF_ID_SCALE };
 
 /* The indexer's choice for N decode tokens whose contexts may pass the top-k (ds_index_select per token): the
  * index queries wq_b(c_q) (their first IROPE dims rotated half-split, as ops/mlapo.py) against the cached keys,
  * with head weights bf16(w_raw) * HI^-1/2 * DI^-1/2. selected [N, nsel] holds each token's context rows in
  * position order, -1 padded. Returns [N, TOPK] rows (malloc'd), -1 padded. */
-static int64_t *index_select(const int64_t *desc, const float *fdesc, const bf16 *cq, const bf16 *A,
-                             const float *cos_sin, const int64_t *selected, int64_t nsel, int64_t N, const void *keys,
-                             int64_t ldk, int keys_bf16, int nthreads) {
-    int64_t HI = desc[DB_HI], DI = desc[DB_DI], TOPK = desc[DB_TOPK], NA = desc[DB_NA], IROPE = desc[DB_IROPE];
-    int64_t W0 = desc[DB_RQ] + desc[DB_R] + desc[DB_RHO] + desc[DB_G] + DI, RHO = desc[DB_RHO];
+static int64_t *index_select(const dsa_block *d, const bf16 *cq, const bf16 *A, const float *cos_sin,
+                             const int64_t *selected, int64_t nsel, int64_t N, const void *keys, int64_t ldk,
+                             int keys_bf16, int nthreads) {
+    int64_t HI = d->index_heads, DI = d->index_dim, TOPK = d->index_topk, NA = d->a_width, IROPE = d->index_rope;
+    int64_t W0 = d->q_rank + d->rank + d->rope + d->gate_width + DI, RHO = d->rope;
     bf16 *iq = malloc(sizeof(bf16) * (size_t)(N * HI * DI));
     float *w = malloc(sizeof(float) * (size_t)HI);
     int64_t *chosen = malloc(sizeof(int64_t) * (size_t)(N * TOPK));
-    product(cq, N, desc[DB_RQ], desc[DB_RQ], desc[DB_W_IQ], 0, HI * DI, iq, nthreads);
+    product(cq, N, d->q_rank, d->q_rank, d->w_iq, NULL, HI * DI, iq, nthreads);
     for (int64_t i = 0; i < N; i++) {
         if (cos_sin != NULL && IROPE > 0)
             for (int64_t h = 0; h < HI; h++)
                 rope_bf16(iq + (i * HI + h) * DI, cos_sin + i * (RHO / 2), cos_sin + (N + i) * (RHO / 2), IROPE / 2, 0);
         for (int64_t h = 0; h < HI; h++)
-            w[h] = bf16_to_f32(A[i * NA + W0 + h]) * fdesc[DBF_IW_SCALE] * fdesc[DBF_ID_SCALE];
+            w[h] = bf16_to_f32(A[i * NA + W0 + h]) * d->index_weight_scale * d->index_dim_scale;
         int64_t n = 0;
         while (n < nsel && selected[i * nsel + n] >= 0) n++;
         ds_index_select(iq + i * HI * DI, w, HI, DI, selected + i * nsel, n, keys, ldk, keys_bf16, TOPK,
@@ -341,35 +316,34 @@ static int64_t *index_select(const int64_t *desc, const float *fdesc, const bf16
  * cos_sin ([2][N][RHO / 2] fp32: DeepSeek-V3.2's RoPE at the tokens' positions; NULL for K3's NoPE) q_pe and k_pe
  * are rotated interleaved and the index key's (and index queries') first IROPE dims half-split, as ops/mlapo.py
  * does. Returns 0, or -1 (nothing written) when a row is not below nrows or a rotation is wider than 512. */
-int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const bf16 *r, int64_t N,
-                 const int64_t *selected, int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld,
-                 int64_t nrows, int pages_bf16, void *keys, int64_t ldk, int keys_bf16, const float *cos_sin,
-                 bf16 *out, int nthreads) {
-    int64_t D = desc[DB_D], H = desc[DB_H], NOPE = desc[DB_N], RHO = desc[DB_RHO], V = desc[DB_V], R = desc[DB_R];
-    int64_t RQ = desc[DB_RQ], NA = desc[DB_NA], G = desc[DB_G], DI = desc[DB_DI];
-    int64_t QW = H * (NOPE + RHO), CW = R + RHO, KV0 = RQ, G0 = RQ + CW, K0 = G0 + G, IROPE = desc[DB_IROPE];
+int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, const int64_t *selected,
+                 int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld, int64_t nrows, int pages_bf16,
+                 void *keys, int64_t ldk, int keys_bf16, const float *cos_sin, bf16 *out, int nthreads) {
+    int64_t D = d->hidden, H = d->heads, NOPE = d->nope, RHO = d->rope, V = d->v_dim, R = d->rank;
+    int64_t RQ = d->q_rank, NA = d->a_width, G = d->gate_width, DI = d->index_dim;
+    int64_t QW = H * (NOPE + RHO), CW = R + RHO, KV0 = RQ, G0 = RQ + CW, K0 = G0 + G, IROPE = d->index_rope;
     if (!rows_in_range(write_rows, selected, N, nsel, nrows) || RHO > 512 || IROPE > 512) return -1;
     bf16 *x = malloc(sizeof(bf16) * (size_t)(N * (D + NA + RQ + QW + CW + DI + 2 * H * V + D)));
     bf16 *A = x + N * D, *cq = A + N * NA, *q = cq + N * RQ, *row = q + N * QW, *ik = row + N * CW;
     bf16 *vals = ik + N * DI, *gated = vals + N * H * V, *a = gated + N * H * V;
 
-    ds_rmsnorm_bf16(xin, N, D, D, (const bf16 *)desc[DB_NORM_W], fdesc[DBF_EPS], x, nthreads);
-    product(x, N, D, D, desc[DB_W_A], 0, NA, A, nthreads);
-    ds_rmsnorm_bf16(A, N, RQ, NA, (const bf16 *)desc[DB_QA_NORM_W], fdesc[DBF_Q_EPS], cq, nthreads);
-    product(cq, N, RQ, RQ, desc[DB_W_QB], 0, QW, q, nthreads);
-    ds_rmsnorm_bf16(A + KV0, N, R, NA, (const bf16 *)desc[DB_KVA_NORM_W], fdesc[DBF_KV_EPS], row, nthreads);
+    ds_rmsnorm_bf16(xin, N, D, D, d->norm_w, d->eps, x, nthreads);
+    product(x, N, D, D, d->w_a, NULL, NA, A, nthreads);
+    ds_rmsnorm_bf16(A, N, RQ, NA, d->qa_norm_w, d->q_eps, cq, nthreads);
+    product(cq, N, RQ, RQ, d->w_qb, NULL, QW, q, nthreads);
+    ds_rmsnorm_bf16(A + KV0, N, R, NA, d->kva_norm_w, d->kv_eps, row, nthreads);
     for (int64_t i = N - 1; i >= 0; i--) { /* rows [c | k_pe], as in ds_mla_block */
         memmove(row + i * CW, row + i * R, sizeof(bf16) * (size_t)R);
         memcpy(row + i * CW + R, A + i * NA + KV0 + R, sizeof(bf16) * (size_t)RHO);
     }
-    const bf16 *kw = (const bf16 *)desc[DB_IK_NORM_W], *kb = (const bf16 *)desc[DB_IK_NORM_B];
+    const bf16 *kw = d->ik_norm_w, *kb = d->ik_norm_b;
     for (int64_t i = 0; i < N; i++) { /* the index key: LayerNorm with fp32 statistics */
         const bf16 *k = A + i * NA + K0;
         float mean = 0.f, var = 0.f;
         for (int64_t c = 0; c < DI; c++) mean += bf16_to_f32(k[c]);
         mean /= (float)DI;
         for (int64_t c = 0; c < DI; c++) var += (bf16_to_f32(k[c]) - mean) * (bf16_to_f32(k[c]) - mean);
-        float rstd = 1.f / sqrtf(var / (float)DI + fdesc[DBF_INDEX_EPS]);
+        float rstd = 1.f / sqrtf(var / (float)DI + d->index_eps);
         for (int64_t c = 0; c < DI; c++)
             ik[i * DI + c] = f32_to_bf16((bf16_to_f32(k[c]) - mean) * rstd * bf16_to_f32(kw[c]) + bf16_to_f32(kb[c]));
     }
@@ -384,11 +358,11 @@ int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
         store_row(pages, pages_bf16, ld, write_rows[i], row + i * CW, CW);
         store_row(keys, keys_bf16, ldk, write_rows[i], ik + i * DI, DI);
     }
-    int64_t *chosen = nsel > desc[DB_TOPK] ? index_select(desc, fdesc, cq, A, cos_sin, selected, nsel, N, keys, ldk,
-                                                          keys_bf16, nthreads) : NULL;
-    int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, desc[DB_W_UK], desc[DB_W_UV], chosen ? chosen : selected,
-                              chosen ? desc[DB_TOPK] : nsel, pages, ld, nrows, pages_bf16, fdesc[DBF_SCALE], vals,
-                              nthreads);
+    int64_t *chosen = nsel > d->index_topk
+                          ? index_select(d, cq, A, cos_sin, selected, nsel, N, keys, ldk, keys_bf16, nthreads)
+                          : NULL;
+    int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, d->w_uk, d->w_uv, chosen ? chosen : selected,
+                              chosen ? d->index_topk : nsel, pages, ld, nrows, pages_bf16, d->scale, vals, nthreads);
     free(chosen);
     if (!bad) {
         const bf16 *o = vals;
@@ -400,7 +374,7 @@ int ds_dsa_block(const int64_t *desc, const float *fdesc, const bf16 *xin, const
                 }
             o = gated;
         }
-        product(o, N, H * V, H * V, desc[DB_W_O], 0, D, a, nthreads);
+        product(o, N, H * V, H * V, d->w_o, NULL, D, a, nthreads);
         residual_add(r, a, N * D, out, nthreads);
     }
     free(x);

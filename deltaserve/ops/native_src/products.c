@@ -1,14 +1,13 @@
 /* Products: few-row bf16 linears (one or several weights, or one per head), the fused MoE / MLP, RMSNorm. */
 #include "kernels.h"
 
-/* Linear products of M rows: for each task t, y_t [M, N_t] (row stride ldy_t) = x_t [M, K] (row stride ldx_t) @
- * W_t^T with W_t [N_t, K] row-major (row stride ldw_t) or packed (ldw_t = -1), rounded to bf16. desc holds 7
- * int64 per task: W_t's address, ldw_t, N_t, y_t's address, ldy_t, x_t's address, ldx_t (tasks may share x:
- * several weights over one input, or differ: one weight per attention head). */
-#define DESC 7
-void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const int64_t *desc, int nthreads) {
+/* Linear products of M rows, one a task (contract.h linear_task): y [M, n] = x [M, K] @ W^T, rounded to bf16. The
+ * work items are the tasks' blocks of BLOCK_ROWS outputs, all tasks' in one parallel loop. */
+static int64_t task_blocks(const linear_task *task) { return (task->n + BLOCK_ROWS - 1) / BLOCK_ROWS; }
+
+void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const linear_task *tasks, int nthreads) {
     int64_t nitems = 0;
-    for (int64_t t = 0; t < ntasks; t++) nitems += (desc[t * DESC + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    for (int64_t t = 0; t < ntasks; t++) nitems += task_blocks(tasks + t);
 #pragma omp parallel num_threads(nthreads)
     {
         const bf16 **xrows = malloc(sizeof(bf16 *) * (size_t)M);
@@ -17,18 +16,16 @@ void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const int64_t *desc, i
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < nitems; item++) {
             int64_t t = 0, b = item;
-            while (b >= (desc[t * DESC + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS)
-                b -= (desc[t++ * DESC + 2] + BLOCK_ROWS - 1) / BLOCK_ROWS;
-            const int64_t *d = desc + t * DESC;
-            const bf16 *w = (const bf16 *)(intptr_t)d[0];
-            int64_t ldw = d[1], N = d[2], ldy = d[4];
-            bf16 *y = (bf16 *)(intptr_t)d[3];
+            while (b >= task_blocks(tasks + t)) b -= task_blocks(tasks + t++);
+            const linear_task *task = tasks + t;
+            int64_t N = task->n, ldy = task->ldy;
+            bf16 *y = task->y;
             if (t != xt) {
-                for (int64_t i = 0; i < M; i++) xrows[i] = (const bf16 *)(intptr_t)d[5] + i * d[6];
+                for (int64_t i = 0; i < M; i++) xrows[i] = task->x + i * task->ldx;
                 xt = t;
             }
             int64_t n0 = b * BLOCK_ROWS, n1 = n0 + BLOCK_ROWS < N ? n0 + BLOCK_ROWS : N;
-            dot_block(xrows, M, w, ldw, N, n0, n1, K, dots);
+            dot_block(xrows, M, task->w, task->ldw, N, n0, n1, K, dots);
             for (int64_t i = 0; i < M; i++)
                 for (int64_t n = n0; n < n1; n++) y[i * ldy + n] = f32_to_bf16(dots[i * BLOCK_ROWS + n - n0]);
         }

@@ -3,62 +3,43 @@
  * around the ~30-60 block and mix calls of a step (argument checks, ctypes, output tensors) is a sizeable share
  * of the step; the calls and their order are the same, so the results are the blocks'.
  *
- * Each op is a record of int64 words [kind, length, ...] (layers/fused_stack.py writes them): registers are
- * indices into `regs` (-1: none), descriptors and cache pages are addresses.
- *   SOP_KDA x r out desc fdesc conv conv_stride rec rec_stride
- *   SOP_MLA x r out desc fdesc pages ld nrows pages_bf16
- *   SOP_DSA x r out desc fdesc pages ld nrows pages_bf16 keys ldk keys_bf16
- *   SOP_FFN x r out desc fdesc
- *   SOP_MIX out query norm_w eps_bits S src_0 .. src_{S-1}
- * The step's own inputs, shared by every op, are `step`: [STEP_SLOTS] the KDA state slots [N], [STEP_ROWS] the
- * sequences' cache rows [N, width] and [STEP_WIDTH], [STEP_WRITE] the new tokens' cache rows [N], [STEP_COS_SIN]
- * DeepSeek-V3.2's rotation at the tokens' positions (0: none). */
+ * Each op is a stack_op (contract.h, written by layers/fused_stack.py): its kind (SOP_*), its registers (indices into
+ * `regs`, -1: none), the block's descriptor and the fields of its layer's cache; a mix names its query, norm weight,
+ * eps and source registers. The step's own inputs, shared by every op, are a stack_step: the KDA state slots, the
+ * sequences' cache rows and the new tokens' rows, DeepSeek-V3.2's rotation at the tokens' positions (NULL: none). */
 #include "kernels.h"
-
-enum { SOP_KDA = 1, SOP_MLA, SOP_DSA, SOP_FFN, SOP_MIX };
-enum { STEP_SLOTS, STEP_ROWS, STEP_WIDTH, STEP_WRITE, STEP_COS_SIN };
-#define MAX_MIX_SOURCES 64
 
 /* Returns 0, or 1 + the index of the op that failed (nothing after it ran): a cache row outside its pages, a
  * router shape the MoE block rejects, an unknown op or a mix of more than MAX_MIX_SOURCES sources. */
-int64_t ds_decode_stack(const int64_t *program, int64_t nops, int64_t N, int64_t D, bf16 *regs, const int64_t *step,
-                        int nthreads) {
+int64_t ds_decode_stack(const stack_op *program, int64_t nops, int64_t N, int64_t D, bf16 *regs,
+                        const stack_step *step, int nthreads) {
 #define REG(j) ((j) < 0 ? NULL : regs + (j) * N * D)
-#define PTR(t, j) ((t)(intptr_t)(j))
-    const int64_t *slots = PTR(const int64_t *, step[STEP_SLOTS]), *rows = PTR(const int64_t *, step[STEP_ROWS]);
-    const int64_t *write = PTR(const int64_t *, step[STEP_WRITE]);
-    const float *cos_sin = PTR(const float *, step[STEP_COS_SIN]);
-    const int64_t *op = program;
-    for (int64_t i = 0; i < nops; op += op[1], i++) {
+    for (int64_t i = 0; i < nops; i++) {
+        const stack_op *op = program + i;
         int failed = 0;
-        switch (op[0]) {
+        switch (op->kind) {
         case SOP_KDA:
-            ds_kda_block(PTR(const int64_t *, op[5]), PTR(const float *, op[6]), REG(op[2]), REG(op[3]), N, N, NULL,
-                         slots, PTR(float *, op[7]), op[8], PTR(float *, op[9]), op[10], REG(op[4]), nthreads);
+            ds_kda_block(op->descriptor, REG(op->x), REG(op->residual), N, N, NULL, step->slots, op->conv,
+                         op->conv_stride, op->rec, op->rec_stride, REG(op->out), nthreads);
             break;
         case SOP_MLA:
-            failed = ds_mla_block(PTR(const int64_t *, op[5]), PTR(const float *, op[6]), REG(op[2]), REG(op[3]), N,
-                                  rows, step[STEP_WIDTH], write, PTR(void *, op[7]), op[8], op[9], (int)op[10],
-                                  REG(op[4]), nthreads);
+            failed = ds_mla_block(op->descriptor, REG(op->x), REG(op->residual), N, step->rows, step->width,
+                                  step->write_rows, op->pages, op->ld, op->nrows, (int)op->pages_bf16, REG(op->out),
+                                  nthreads);
             break;
         case SOP_DSA:
-            failed = ds_dsa_block(PTR(const int64_t *, op[5]), PTR(const float *, op[6]), REG(op[2]), REG(op[3]), N,
-                                  rows, step[STEP_WIDTH], write, PTR(void *, op[7]), op[8], op[9], (int)op[10],
-                                  PTR(void *, op[11]), op[12], (int)op[13], cos_sin, REG(op[4]), nthreads);
+            failed = ds_dsa_block(op->descriptor, REG(op->x), REG(op->residual), N, step->rows, step->width,
+                                  step->write_rows, op->pages, op->ld, op->nrows, (int)op->pages_bf16, op->keys,
+                                  op->ldk, (int)op->keys_bf16, step->cos_sin, REG(op->out), nthreads);
             break;
         case SOP_FFN:
-            failed = ds_moe_block(PTR(const int64_t *, op[5]), PTR(const float *, op[6]), REG(op[2]), REG(op[3]), N,
-                                  REG(op[4]), nthreads);
+            failed = ds_moe_block(op->descriptor, REG(op->x), REG(op->residual), N, REG(op->out), nthreads);
             break;
         case SOP_MIX: {
-            int64_t S = op[6], src[MAX_MIX_SOURCES];
-            float eps;
-            int32_t bits = (int32_t)op[5];
+            int64_t S = op->nsources, src[MAX_MIX_SOURCES];
             if (S < 1 || S > MAX_MIX_SOURCES) return i + 1;
-            for (int64_t s = 0; s < S; s++) src[s] = (int64_t)(intptr_t)REG(op[7 + s]);
-            memcpy(&eps, &bits, sizeof eps);
-            ds_attn_res_mix(src, S, N, D, PTR(const bf16 *, op[4]), PTR(const bf16 *, op[3]), eps, REG(op[2]),
-                            nthreads);
+            for (int64_t s = 0; s < S; s++) src[s] = (int64_t)(intptr_t)REG(op->sources[s]);
+            ds_attn_res_mix(src, S, N, D, op->norm_w, op->query, op->eps, REG(op->out), nthreads);
             break;
         }
         default:
@@ -68,5 +49,4 @@ int64_t ds_decode_stack(const int64_t *program, int64_t nops, int64_t N, int64_t
     }
     return 0;
 #undef REG
-#undef PTR
 }
