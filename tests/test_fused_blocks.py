@@ -16,7 +16,7 @@ from deltaserve.layers.fused_blocks import attention_block, ffn_block
 from deltaserve.layers.kda import KimiDeltaAttention
 from deltaserve.layers.moe import MoE, Router
 from deltaserve.layers.native_path import enable_native_kernels
-from deltaserve.models import base
+from deltaserve.models import decoder
 from deltaserve.models.loader import load_config
 from deltaserve.ops import native
 from deltaserve.ops.kda_native import kda_gate_beta, kda_gate_beta_ref
@@ -293,8 +293,8 @@ def test_engine_decode_runs_through_the_blocks(make_checkpoint, monkeypatch, pre
             return out
         return run
 
-    monkeypatch.setattr(base, "attention_block", counted(attention_block))
-    monkeypatch.setattr(base, "ffn_block", counted(ffn_block))
+    monkeypatch.setattr(decoder, "attention_block", counted(attention_block))
+    monkeypatch.setattr(decoder, "ffn_block", counted(ffn_block))
     fused, modules = fused_and_module_tokens(path, random_prompts([9, 30, 17], seed=5, high=700), stack=False)
     assert fused == modules
     assert sum(taken) > 0.5 * len(taken)

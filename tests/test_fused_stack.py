@@ -17,7 +17,7 @@ from deltaserve.layers import fused_attention
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.fused_blocks import attention_block
 from deltaserve.layers.fused_stack import DecodeStack
-from deltaserve.models import base
+from deltaserve.models import decoder
 from deltaserve.ops import native
 from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
 
@@ -191,7 +191,7 @@ def test_fused_paths_take_prefix_cache_snapshots(make_checkpoint, monkeypatch, s
     stack, or the blocks layer by layer, and fills the checkpoints as the modules do (which take those rows through
     the varlen KDA path)."""
     taken, blocks = _count_stack_runs(monkeypatch), []
-    monkeypatch.setattr(base, "attention_block", lambda *a: blocks.append(attention_block(*a)) or blocks[-1])
+    monkeypatch.setattr(decoder, "attention_block", lambda *a: blocks.append(attention_block(*a)) or blocks[-1])
     model = native_model(make_checkpoint("kimi-linear-tiny"))
     caches = twin_caches(model, 4)
     for cache in caches:
