@@ -4,12 +4,19 @@ inside the batched model call fails its whole batch and the engine goes on."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.config import EngineArgs
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.errors import ConfigError, RequestFailedError
+
+from server_utils import iter_sse, run_server, wait_until
 
 TRIGGER = 1000  # a token id only the failing request's prompt holds
 PROMPTS = {"a": [5, 6, 7, 8, 9, 10, 11], "b": [12, 13, TRIGGER, 14, 15], "c": [16, 17, 18, 19]}
@@ -126,3 +133,113 @@ def test_offline_generate_raises_typed_error_with_every_output(checkpoint, basel
 def test_malformed_fault_spec_is_a_config_error(spec):
     with pytest.raises(ConfigError):
         EngineArgs(fault_injection=spec)
+
+
+# ------------------------------------------------------------------------------------------------ through a server
+DETOK_TRIGGER = 1001  # fails in the API process's OutputProcessor
+SERVED = "tiny-test"
+SERVER_ARGS = ("--served-model-name", SERVED, "--kv-cache-memory", "64MiB", "--shutdown-timeout", "5")
+
+
+@pytest.fixture(scope="module")
+def fault_server(checkpoint):
+    with run_server(checkpoint, *SERVER_ARGS, "--fault-injection",
+                    f"sample:{TRIGGER},detokenize:{DETOK_TRIGGER}") as srv:
+        yield srv
+
+
+def completion(srv, prompt: list[int], max_tokens: int = 12) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/completions", timeout=60,
+                      json={"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True})
+
+
+def stream_events(srv, prompt: list[int], max_tokens: int = 12) -> list:
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                      json={"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        return list(iter_sse(r))
+
+
+def stream_text(events: list) -> str:
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+    return "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"])
+
+
+def integrity(srv) -> dict:
+    r = httpx.get(srv.url + "/debug/integrity", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def all_free(srv) -> bool:
+    rep = integrity(srv)
+    return rep["ok"] and rep["free_pages"] == rep["total_pages"] and rep["free_slots"] == rep["total_slots"]
+
+
+def gauge(srv, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    m = re.search(rf"^deltaserve:{name} ([0-9.eE+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_server_fails_only_the_faulty_requests(fault_server):
+    srv = fault_server
+    alone = {k: completion(srv, PROMPTS[k]) for k in ("a", "c")}
+    assert all(r.status_code == 200 for r in alone.values())
+    expected = {k: r.json()["choices"][0]["text"] for k, r in alone.items()}
+    detok_prompt = [20, DETOK_TRIGGER, 21]
+    jobs = {
+        "a-stream": lambda: stream_events(srv, PROMPTS["a"]),
+        "c": lambda: completion(srv, PROMPTS["c"]),
+        "b": lambda: completion(srv, PROMPTS["b"]),
+        "b-stream": lambda: stream_events(srv, PROMPTS["b"]),
+        "d": lambda: completion(srv, detok_prompt),
+        "d-stream": lambda: stream_events(srv, detok_prompt),
+    }
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        results = {name: f.result(timeout=60) for name, f in futures.items()}
+    assert stream_text(results["a-stream"]) == expected["a"]
+    assert results["c"].status_code == 200 and results["c"].json()["choices"][0]["text"] == expected["c"]
+    for name, phase in (("b", "sample"), ("d", "detokenize")):
+        r = results[name]
+        assert r.status_code == 500, (name, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "InternalServerError"
+        assert phase in err["message"]
+        events = results[f"{name}-stream"]
+        assert events[-1] == "[DONE]", events
+        errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["code"] == 500 and phase in errors[0]["message"], events
+        assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]
+                       for e in events), "a failed stream claims to have finished"
+    assert wait_until(lambda: all_free(srv), 5, 0.1), integrity(srv)
+    assert completion(srv, PROMPTS["a"]).json()["choices"][0]["text"] == expected["a"]
+
+
+def test_disconnects_refresh_gauges_and_log_no_errors(fault_server):
+    srv = fault_server
+    log_start = srv.log_path.stat().st_size
+    body = {"model": SERVED, "prompt": PROMPTS["a"], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    chat = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+            "ignore_eos": True, "stream": True}
+    readers = []  # held until the block ends: dropping an SSE reader closes its connection
+    with httpx.Client(timeout=30) as hc, contextlib.ExitStack() as stack:
+        for path, payload in (("/v1/completions", body), ("/v1/completions", {**body, "prompt": ["x", "y"]}),
+                              ("/v1/chat/completions", chat)):
+            r = stack.enter_context(hc.stream("POST", srv.url + path, json=payload))
+            assert r.status_code == 200
+            readers.append(iter_sse(r))
+            assert isinstance(next(readers[-1]), dict) and isinstance(next(readers[-1]), dict)
+        assert wait_until(lambda: gauge(srv, "num_requests_running") == 4, 10, 0.05), \
+            gauge(srv, "num_requests_running")
+    # every client is gone; with nothing left to step, the core still reports its idle stats
+    assert wait_until(lambda: gauge(srv, "num_requests_running") == 0, 5, 0.05), gauge(srv, "num_requests_running")
+    assert gauge(srv, "kv_cache_usage_perc") == 0
+    assert wait_until(lambda: all_free(srv), 5, 0.1), integrity(srv)
+    log = srv.log_path.read_bytes()[log_start:].decode(errors="replace")
+    assert "Traceback" not in log and "RuntimeError" not in log and "ERROR" not in log, log[-3000:]
+
