@@ -256,6 +256,8 @@ class EngineCore:
 
     def _without_failed(self, plan: StepPlan) -> StepPlan:
         """The plan less the chunks of failed requests; the KDA checkpoints those chunks were to write are dropped."""
+        if not self._failures:
+            return plan
         keep = [i for i, c in enumerate(plan.chunks) if c.request.request_id not in self._failures]
         if len(keep) == len(plan.chunks):
             return plan
