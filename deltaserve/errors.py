@@ -11,3 +11,12 @@ class ConfigError(DeltaserveError, ValueError):
 
 class CheckpointError(DeltaserveError, ValueError):
     """A checkpoint's tensors do not match what its config describes (missing, unexpected, mis-shaped)."""
+
+
+class RequestFailedError(DeltaserveError, RuntimeError):
+    """The engine failed a request (an error inside a step that belongs to it); other requests are unaffected.
+    Offline, `outputs` holds every output of the batch, the failed ones with `error` set."""
+
+    def __init__(self, message: str, outputs: list | None = None):
+        super().__init__(message)
+        self.outputs = outputs or []

@@ -49,9 +49,11 @@ class Server:
         return child_pids(self.proc.pid)
 
     def engine_pid(self) -> int:
-        """The engine-core child (spawned by multiprocessing; the resource tracker is the other child)."""
-        pids = [p for p in self.children() if "spawn_main" in cmdline(p)]
-        assert len(pids) == 1, f"expected one engine-core child of {self.proc.pid}, found {pids}"
+        """The engine-core process: the one live child of the server's multiprocessing fork server (the resource
+        tracker is the server's other child)."""
+        servers = [p for p in self.children() if "forkserver" in cmdline(p)]
+        pids = [c for f in servers for c in child_pids(f) if pid_alive(c)]
+        assert len(pids) == 1, f"expected one engine core under the fork server {servers}, found {pids}"
         return pids[0]
 
 
@@ -60,6 +62,17 @@ def child_pids(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").glob("*"):
         with contextlib.suppress(OSError):
             out += [int(x) for x in (task / "children").read_text().split()]
+    return sorted(set(out))
+
+
+def descendants(pid: int) -> list[int]:
+    """Children, grandchildren, ... of `pid` (the engine core is the fork server's child)."""
+    out: list[int] = []
+    todo = child_pids(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += child_pids(p)
     return sorted(set(out))
 
 
@@ -125,10 +138,10 @@ def run_server(model: str | Path, *args: str, api_key: str | None = None,
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{server.log()}")
             time.sleep(0.1)
-        children = server.children()
+        children = descendants(proc.pid)
         yield server
     finally:
-        children = sorted(set(children) | set(child_pids(proc.pid)))
+        children = sorted(set(children) | set(descendants(proc.pid)))
         _stop(proc)
         for pid in children:  # an engine core the server failed to stop (it also exits when its parent is gone)
             if pid_alive(pid):

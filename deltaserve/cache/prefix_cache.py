@@ -145,6 +145,14 @@ class PrefixCache:
         self.num_checkpoints_evicted += 1
         return slot
 
+    def drop_pending(self, slots: set[int] | None = None) -> None:
+        """Forget checkpoints planned this step that will not be (fully) written because their requests failed:
+        the given slots (all pending ones for None) go back to the pool unpublished."""
+        for h, slot in list(self._pending.items()):
+            if slots is None or slot in slots:
+                del self._pending[h]
+                self.checkpoints.free(slot)
+
     def commit(self, reqs: list[Request]) -> None:
         """After a step: the checkpoints it wrote become live, and newly full pages are registered by hash."""
         for h, slot in self._pending.items():

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..errors import ConfigError
+from .faults import FaultInjector
 
 QUANTIZATIONS = ("w8a8-mxfp8", "w4a8-mxfp4", "mxfp")  # the schemes of layers/quantized.py
 CACHE_8BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # 8-bit cache value types (ops.md §9)
@@ -47,6 +48,9 @@ class EngineArgs:
     native_kernels: bool = True  # fast ops + bf16: few-row products through ops/native_src (layers/native_path.py)
     quantization: str | None = None  # MX weights at load: "w8a8-mxfp8", "w4a8-mxfp4", "mxfp" (layers/quantized.py)
     seed: int = 0
+    # Tests only: "PHASE:TOKEN_ID,..." raises inside that step phase for requests whose prompt holds the token
+    # (engine/faults.py). None (the default) builds no injector and costs nothing.
+    fault_injection: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -71,6 +75,7 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
+        FaultInjector.parse(self.fault_injection)  # a malformed spec fails here, not in the engine process
 
     def latent_cache_8bit(self) -> torch.dtype | None:
         """Value type of the C8 latent cache, or None for the model dtype."""
@@ -116,6 +121,7 @@ class EngineArgs:
                             help="quantise at load: w8a8-mxfp8 (attention linears, shared experts, dense MLPs), "
                                  "w4a8-mxfp4 (routed experts) or mxfp (both); a quantised checkpoint needs none")
         parser.add_argument("--seed", type=int, default=d.seed)
+        parser.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests: engine/faults.py
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace, model: str | None) -> "EngineArgs":

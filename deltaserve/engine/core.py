@@ -18,22 +18,27 @@ from ..cache.page_pool import PagePool
 from ..cache.paged_cache import PagedCache
 from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
-from ..errors import ConfigError
+from ..errors import ConfigError, DeltaserveError
 from ..layers.native_path import enable_native_kernels
 from ..layers.prepack import enable_prepacking
 from ..models.loader import DTYPES, load_model
 from ..ops.opset import get_ops
 from ..tokenizer import load_tokenizer
 from .config import EngineArgs
+from .faults import FaultInjector, InjectedFault, RequestFailure, RequestFault, describe
 from .heap import keep_freed_memory
 from .request import Request, RequestStatus
 from .runner import ModelRunner
-from .sampler import Sampler, SamplingState, TokenLogprobs
+from .sampler import SampleOutput, Sampler, SamplingState, TokenLogprobs
 from .sampling_params import InvalidRequestError, SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepPlan
 from .step_timer import StepTimer
 
 log = logging.getLogger(__name__)
+
+
+class EngineBrokenError(DeltaserveError, RuntimeError):
+    """The engine's cache pools no longer add up; it must be restarted."""
 
 
 @dataclass
@@ -70,12 +75,14 @@ class EngineCore:
         # Optional observer of each step's sampled rows: (requests, fp32 logits [rows, vocab]) before sampling.
         # Used by `bench quant` to compare distributions; None costs nothing.
         self.logits_observer: Callable[[list[Request], torch.Tensor], None] | None = None
+        self.faults = FaultInjector.parse(args.fault_injection)
         self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints), get_ops(args.ops),
-                                  self.timer)
+                                  self.timer, self.faults)
         self.sampler = Sampler(seed=args.seed)
         self.eos_ids = set(load_tokenizer(model_path).stop_token_ids(config.eos_token_ids))
         self._requests: dict[str, list[Request]] = {}
         self._n: dict[str, tuple[SamplingParams, int]] = {}
+        self._failures: dict[str, RequestFailure] = {}
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -132,15 +139,60 @@ class EngineCore:
 
     # ---- one step ----
     def step(self) -> list[CoreOutput]:
-        timer = self.timer
-        with timer.phase("schedule"):
-            plan = self.scheduler.schedule()
-        if not plan.chunks:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("cannot schedule any request: the page pool is too small for the next chunk")
+        """Schedule, run the model once, sample and append one token per sampled completion.
+
+        A failure attributable to one request (see engine/faults.py for the phases) fails that request only: all of
+        its completions are finished and freed, and it is reported by `take_failures()`; the others go on. A failure
+        that cannot be attributed (inside the batched model call, where every row's KDA state may be half-updated)
+        fails every request of the step's batch. Either way the step returns the outputs of the survivors; it raises
+        only EngineBrokenError, when the pools no longer add up after failing everything."""
+        try:
+            with self.timer.phase("schedule"):
+                plan = self._schedule()
+        except Exception as exc:  # noqa: BLE001 — the scheduler's own state is suspect: fail what it holds
+            self._fail_all("schedule", exc)
             return []
-        timer.steps += 1
-        fwd = self.runner.forward(plan)
+        if not plan.chunks:
+            return []
+        self.timer.steps += 1
+        try:
+            return self._run(plan)
+        except Exception as exc:  # noqa: BLE001 — not attributable to one request: the whole batch fails
+            self._fail_batch(plan, "step", exc)
+            return []
+
+    def take_failures(self) -> list[RequestFailure]:
+        """The requests failed since the last call (each once)."""
+        failures = list(self._failures.values())
+        self._failures.clear()
+        return failures
+
+    def _schedule(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        if not plan.chunks and self.scheduler.waiting and not self.scheduler.running:
+            head = self.scheduler.waiting[0]
+            self._fail(head.request_id, "schedule",
+                       RuntimeError("the page pool is too small for the request's next chunk"))
+            return plan
+        if self.faults is not None:
+            for req, _ in plan.chunks:
+                try:
+                    self.faults.check("schedule", req.request_id, req.prompt_ids)
+                except InjectedFault as exc:
+                    self._fail(req.request_id, "schedule", exc)
+        return self._without_failed(plan)
+
+    def _run(self, plan: StepPlan) -> list[CoreOutput]:
+        timer = self.timer
+        while True:
+            try:
+                fwd = self.runner.forward(plan)
+                break
+            except RequestFault as fault:  # raised before the model ran: drop that request and run the rest
+                self._fail(fault.request_id, "forward", fault)
+                plan = self._without_failed(plan)
+                if not plan.chunks:
+                    return []
         if self.logits_observer is not None:
             self.logits_observer(fwd.sampled, fwd.logits)
         with timer.phase("update"):
@@ -152,12 +204,88 @@ class EngineCore:
         with timer.phase("sample"):
             # without forked siblings the rows are the logits' own order: no gathered copy ([32, vocab] fp32: ~2 ms)
             logits = fwd.logits if rows == list(range(fwd.logits.shape[0])) else fwd.logits[rows]
-            sample = self.sampler.sample(logits, [r.sampling for r in reqs])
+            sample = self._sample(logits, reqs)
         with timer.phase("update"):
-            outputs = [self._append_token(r, t, lp) for r, t, lp in zip(reqs, sample.token_ids, sample.logprobs)]
+            outputs = []
+            for req, token, logprob in zip(reqs, sample.token_ids, sample.logprobs):
+                if req.request_id in self._failures:
+                    continue  # failed while sampling, or a sibling failed: its completions are already freed
+                try:
+                    if self.faults is not None:
+                        self.faults.check("output", req.request_id, req.prompt_ids)
+                    outputs.append(self._append_token(req, token, logprob))
+                except Exception as exc:  # noqa: BLE001 — this request's bookkeeping: fail it alone
+                    self._fail(req.request_id, "output", exc)
+            outputs = [o for o in outputs if o.request_id not in self._failures]
             for rid in {o.request_id for o in outputs if o.finish_reason}:
                 self._forget_if_done(rid)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
+        """Sample the batch at once; if that fails, row by row, so only the requests whose rows fail are failed
+        (their token is -1 and they are in `_failures`). Greedy rows pick the same token either way."""
+        try:
+            if self.faults is not None:
+                for req in reqs:
+                    self.faults.check("sample", req.request_id, req.prompt_ids)
+            return self.sampler.sample(logits, [r.sampling for r in reqs])
+        except Exception as exc:  # noqa: BLE001 — find the row(s) it belongs to
+            log.warning("batched sampling failed (%s: %s); sampling row by row", type(exc).__name__, exc)
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for row, req in enumerate(reqs):
+            try:
+                if self.faults is not None:
+                    self.faults.check("sample", req.request_id, req.prompt_ids)
+                one = self.sampler.sample(logits[row:row + 1], [req.sampling])
+                tokens.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0])
+            except Exception as exc:  # noqa: BLE001 — this row's request fails alone
+                self._fail(req.request_id, "sample", exc)
+                tokens.append(-1)
+                logprobs.append(None)
+        return SampleOutput(tokens, logprobs)
+
+    # ---- failures ----
+    def _fail(self, request_id: str, phase: str, exc: BaseException) -> None:
+        """Finish every completion of the request, free what they hold, and record the failure (logged once)."""
+        if request_id in self._failures:
+            return
+        failure = RequestFailure(request_id, phase, describe(phase, exc))
+        log.error("request %s failed in the %s phase", request_id, phase, exc_info=exc)
+        self._failures[request_id] = failure
+        self.abort(request_id, reason="error")
+
+    def _without_failed(self, plan: StepPlan) -> StepPlan:
+        """The plan less the chunks of failed requests; the KDA checkpoints those chunks were to write are dropped."""
+        if not self._failures:
+            return plan
+        keep = [i for i, c in enumerate(plan.chunks) if c.request.request_id not in self._failures]
+        if len(keep) == len(plan.chunks):
+            return plan
+        if self.prefix is not None:
+            dropped = {slot for i, snaps in enumerate(plan.snapshots) if i not in keep for _, slot in snaps}
+            self.prefix.drop_pending(dropped)
+        return StepPlan([plan.chunks[i] for i in keep], [plan.snapshots[i] for i in keep] if plan.snapshots else [])
+
+    def _fail_batch(self, plan: StepPlan, phase: str, exc: BaseException) -> None:
+        log.error("step failed in the %s phase; failing its batch of %d requests", phase, len(plan.chunks))
+        if self.prefix is not None:
+            self.prefix.drop_pending()  # possibly half-written
+        for req, _ in plan.chunks:
+            self._fail(req.request_id, phase, exc)
+
+    def _fail_all(self, phase: str, exc: BaseException) -> None:
+        """Fail every request; if the pools still do not add up, the engine cannot go on."""
+        log.error("step failed in the %s phase; failing all %d requests", phase, len(self._requests))
+        if self.prefix is not None:
+            self.prefix.drop_pending()
+        for request_id in list(self._requests):
+            self._fail(request_id, phase, exc)
+        try:
+            self.check_integrity()
+        except AssertionError as broken:
+            raise EngineBrokenError(f"the cache pools are inconsistent after a failed step: {broken}") from exc
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprobs | None) -> CoreOutput:
         req.output_ids.append(token)

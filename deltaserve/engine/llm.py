@@ -8,6 +8,7 @@ from itertools import count
 from tqdm import tqdm
 
 from ..chat import render_chat
+from ..errors import RequestFailedError
 from .config import EngineArgs
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -27,7 +28,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a batch (strings or token-id lists); outputs come back in input order.
         Every request is validated before any is queued, so a bad one leaves the engine untouched. The batch is
-        one client to the scheduler, so its prompts are admitted in order (FCFS)."""
+        one client to the scheduler, so its prompts are admitted in order (FCFS). If the engine fails a request,
+        the others still run to the end and RequestFailedError is raised with every output (`outputs`, failed ones
+        with `error` set)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -65,4 +68,9 @@ class LLM:
                         bar.update(1)
         finally:
             bar.close()
-        return [done[i] for i in ids]
+        outputs = [done[i] for i in ids]
+        failed = [out for out in outputs if out.error is not None]
+        if failed:
+            raise RequestFailedError(f"{len(failed)} of {len(outputs)} requests failed; the first: "
+                                     f"{failed[0].error}", outputs)
+        return outputs

@@ -20,7 +20,7 @@ class LLMEngine:
         self.model_path = Path(args.model) if args.model else default_model_path()
         self.core = EngineCore(args, self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.processor = OutputProcessor(self.tokenizer, self.core.eos_ids)
+        self.processor = OutputProcessor(self.tokenizer, self.core.eos_ids, self.core.faults)
 
     # the parts, for tests and tools
     model = property(lambda self: self.core.model)
@@ -58,13 +58,19 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, update. Returns outputs of requests that changed this step."""
+        """Schedule, run the model once, sample, update. Returns outputs of requests that changed this step; a
+        request the engine failed comes back finished, with `error` set (the others are unaffected)."""
         core_outputs = self.core.step()
+        failures = {f.request_id: f.message for f in self.core.take_failures()}
         with self.core.timer.phase("detokenize"):
-            outputs, stops = self.processor.process(core_outputs)
+            outputs, stops, text_failures = self.processor.process(core_outputs)
         for request_id, index in stops:
             self.core.abort(request_id, index, reason="stop")
-        return outputs
+        for request_id in text_failures:
+            self.core.abort(request_id, reason="error")
+        failures.update(text_failures)
+        failed = [self.processor.fail(rid, message) for rid, message in failures.items()]
+        return outputs + [out for out in failed if out is not None]
 
     def check_integrity(self) -> None:
         self.core.check_integrity()

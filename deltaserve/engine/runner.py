@@ -1,5 +1,8 @@
 """ModelRunner: turns a StepPlan into one StepBatch, runs the model once over the flattened tokens of every
-scheduled request, and returns fp32 logits for the requests whose last scheduled token is their newest token."""
+scheduled request, and returns fp32 logits for the requests whose last scheduled token is their newest token.
+
+Failures while building one request's rows raise RequestFault naming it (nothing has been computed yet, so the core
+can drop that request and run the others); a failure inside the model call belongs to the whole batch."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from ..layers.batch import StepBatch
 from ..models.base import CausalLM
 from ..ops.opset import OpSet
 from ..ops.qli import StepIndexMeta, build_index_meta
+from .faults import FaultInjector, RequestFault
 from .request import Request
 from .scheduler import StepPlan
 from .step_timer import StepTimer
@@ -23,9 +27,11 @@ class ForwardOutput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: PagedCache, ops: OpSet, timer: StepTimer | None = None):
+    def __init__(self, model: CausalLM, cache: PagedCache, ops: OpSet, timer: StepTimer | None = None,
+                 faults: FaultInjector | None = None):
         self.model, self.cache, self.ops = model, cache, ops
         self.timer = timer or StepTimer()
+        self.faults = faults
         self.device = next(model.parameters()).device
 
     def build_batch(self, plan: StepPlan) -> tuple[torch.Tensor, StepBatch, list[int], list[Request]]:
@@ -35,11 +41,18 @@ class ModelRunner:
         sample_rows, sampled = [], []
         for req, n in plan.chunks:
             start = req.num_computed_tokens
-            ids.extend(req.token_slice(start, start + n))
+            try:  # this request's pieces first, so a failure leaves the batch lists as they were
+                if self.faults is not None:
+                    self.faults.check("forward", req.request_id, req.prompt_ids)
+                tokens = req.token_slice(start, start + n)
+                handle = self.cache.handle(req.block_ids, req.state_slot, start + n)
+            except Exception as exc:
+                raise RequestFault(req.request_id, exc) from exc
+            ids.extend(tokens)
             positions.extend(range(start, start + n))
             query_start.append(query_start[-1] + n)
             context_lens.append(start)
-            handles.append(self.cache.handle(req.block_ids, req.state_slot, start + n))
+            handles.append(handle)
             if start + n == req.num_tokens:
                 sample_rows.append(query_start[-1] - 1)
                 sampled.append(req)
@@ -67,4 +80,7 @@ class ModelRunner:
             ids, batch, rows, sampled = self.build_batch(plan)
         with self.timer.phase("model"):
             h = self.model(ids, batch)
+            if self.faults is not None:
+                for req, _ in plan.chunks:
+                    self.faults.check("model", req.request_id, req.prompt_ids)
             return ForwardOutput(sampled, self.model.compute_logits(h[rows]))

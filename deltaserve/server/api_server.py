@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..version import __version__
 from ..chat import ChatError
 from ..engine.sampling_params import InvalidRequestError
+from ..errors import RequestFailedError
 from .engine_client import EngineDeadError
 from .handlers import ServerState, chat_completion, completion
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
@@ -37,8 +38,9 @@ def _error(status: int, message: str, type_: str, param: str | None = None, head
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await state.engine.start()
         state.engine.on_outputs = state.metrics_hook
+        state.engine.on_restart = state.metrics.on_engine_restart
+        await state.engine.start()
         yield
         await state.engine.shutdown()
 
@@ -94,6 +96,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(EngineDeadError)
     async def on_dead(_request: Request, exc: EngineDeadError):
         return _error(503, str(exc), "ServiceUnavailableError")
+
+    @app.exception_handler(RequestFailedError)
+    async def on_failed(_request: Request, exc: RequestFailedError):
+        return _error(500, str(exc), "InternalServerError")
 
     def admit(model: str | None) -> None:
         if model is not None and model not in state.served_names:

@@ -1,7 +1,8 @@
 """The engine-core process: owns the model and runs the step loop, talking to the API process over ZeroMQ.
 
 It drains incoming messages between steps (blocking only while idle), so requests keep arriving and aborts take
-effect while others stream. A request the core rejects is answered with AddFailed; nothing is allocated for it.
+effect while others stream. A request the core rejects is answered with AddFailed; nothing is allocated for it. A
+request that fails later is answered with RequestFailed, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -11,20 +12,22 @@ import os
 import signal
 from pathlib import Path
 
+import msgpack
 import zmq
 
 from ..engine.config import EngineArgs
 from ..engine.core import EngineCore
 from ..engine.sampling_params import InvalidRequestError
-from .messages import (AbortRequest, AddFailed, AddRequest, Probe, ProbeResult, Ready, Shutdown, StepOutputs, decode,
-                       encode, output_to_dict, params_from_dict)
+from .messages import (AbortRequest, AddFailed, AddRequest, Probe, ProbeResult, Ready, RequestFailed, Shutdown,
+                       StepOutputs, decode, encode, output_to_dict, params_from_dict)
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 100
 
 
 def run_engine_core(args: dict, model_path: str, in_addr: str, out_addr: str, log_level: str = "WARNING") -> None:
-    """Process entry point (spawned). Exits when told to, or when the API process goes away."""
+    """Process entry point (forked by multiprocessing's fork server). Exits when told to, or when its parent goes
+    away (the fork server exits with the API process)."""
     logging.basicConfig(level=log_level, format="%(levelname)s engine-core: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when the core stops
     ctx = zmq.Context()
@@ -35,7 +38,8 @@ def run_engine_core(args: dict, model_path: str, in_addr: str, out_addr: str, lo
     parent = os.getppid()
     try:
         core = EngineCore(EngineArgs(**args), Path(model_path))
-        outbox.send(encode(Ready(core.max_model_len, core.config.vocab_size, sorted(core.eos_ids), os.getpid())))
+        outbox.send(encode(Ready(core.max_model_len, core.config.vocab_size, sorted(core.eos_ids), os.getpid(),
+                                 core.stats())))
         _loop(core, inbox, outbox, parent)
     finally:
         inbox.close(linger=0)
@@ -44,15 +48,21 @@ def run_engine_core(args: dict, model_path: str, in_addr: str, out_addr: str, lo
 
 
 def _loop(core: EngineCore, inbox, outbox, parent: int) -> None:
+    """Until Shutdown or the parent's exit. A request never ends the loop: failures inside a step come back from
+    the core as RequestFailed messages, and a message whose handling fails is logged and answered where it has a
+    requester. Only EngineBrokenError (pools that no longer add up) ends it, so the API process restarts the core."""
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
         timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_MS
+        handled = False
         while dict(poller.poll(timeout)).get(inbox):
-            msg = decode(inbox.recv())
+            msg = _decode(inbox.recv())
             if isinstance(msg, Shutdown):
                 return
-            _handle(core, msg, outbox)
+            if msg is not None:
+                _handle_safely(core, msg, outbox)
+                handled = True
             timeout = 0
         if os.getppid() != parent:
             log.warning("API process is gone; stopping")
@@ -60,6 +70,31 @@ def _loop(core: EngineCore, inbox, outbox, parent: int) -> None:
         if core.has_unfinished_requests():
             outputs = core.step()
             outbox.send(encode(StepOutputs([output_to_dict(o) for o in outputs], core.stats())))
+            for failure in core.take_failures():
+                outbox.send(encode(RequestFailed(failure.request_id, failure.message)))
+        elif handled:  # e.g. aborts left the core idle: no step will report that, so refresh the stats now
+            outbox.send(encode(StepOutputs([], core.stats())))
+
+
+def _decode(frame: bytes):
+    try:
+        return decode(frame)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        log.error("dropped a malformed message from the API process: %s", e)
+        return None
+
+
+def _handle_safely(core: EngineCore, msg, outbox) -> None:
+    try:
+        _handle(core, msg, outbox)
+    except Exception as exc:  # noqa: BLE001 — one message must not end the loop
+        log.error("handling %s failed", type(msg).__name__, exc_info=exc)
+        if isinstance(msg, AddRequest):
+            core.abort(msg.request_id, reason="error")
+            outbox.send(encode(RequestFailed(msg.request_id, f"the engine could not accept the request: "
+                                                             f"{type(exc).__name__}: {exc}")))
+        elif isinstance(msg, Probe):
+            outbox.send(encode(ProbeResult(msg.probe_id, {}, f"the probe failed: {type(exc).__name__}: {exc}")))
 
 
 def _handle(core: EngineCore, msg, outbox) -> None:

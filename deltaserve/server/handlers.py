@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from ..chat import render_chat
 from ..config import ModelConfig
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
+from ..errors import RequestFailedError
 from ..tokenizer import Tokenizer
 from .engine_client import EngineClient, EngineDeadError
 from .metrics import Metrics
@@ -106,20 +108,22 @@ def fairness_key(user: str | None, rid: str) -> str:
 
 async def _tracked(state: ServerState, request_id: str, prompt: str | None, ids: list[int],
                    params: SamplingParams, cache_salt: str | None, client: str) -> AsyncIterator[RequestOutput]:
-    """Engine outputs with latency metrics recorded along the way."""
+    """Engine outputs with latency metrics recorded along the way. Closing it closes the engine stream at once
+    (which aborts the request in the core), not whenever the garbage collector finalises it."""
     start = last = time.monotonic()
     first = True
     final = None
-    async for out in state.engine.generate(request_id, prompt, ids, params, cache_salt, client):
-        now = time.monotonic()
-        if first:
-            state.metrics.on_first_token(now - start)
-            first = False
-        else:
-            state.metrics.on_token(now - last)
-        last = now
-        final = out
-        yield out
+    async with aclosing(state.engine.generate(request_id, prompt, ids, params, cache_salt, client)) as outputs:
+        async for out in outputs:
+            now = time.monotonic()
+            if first:
+                state.metrics.on_first_token(now - start)
+                first = False
+            else:
+                state.metrics.on_token(now - last)
+            last = now
+            final = out
+            yield out
     if final is not None:
         reasons = {c.finish_reason for c in final.outputs}
         state.metrics.on_finish(next(iter(reasons)) if len(reasons) == 1 else "stop", time.monotonic() - start,
@@ -211,7 +215,13 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
                for i, (text, ids) in enumerate(inputs)]
 
     if not req.stream:
-        finals = await asyncio.gather(*(_collect(s, raw) for s in streams))
+        collecting = [asyncio.ensure_future(_collect(s, raw)) for s in streams]
+        try:
+            finals = await asyncio.gather(*collecting)
+        finally:  # one prompt failed (or the client left): the others stop too rather than run unread
+            for t in collecting:
+                t.cancel()
+            await asyncio.gather(*collecting, return_exceptions=True)
         choices, completion_tokens, cached = [], 0, 0
         for i, (out, (text, ids)) in enumerate(zip(finals, inputs)):
             cached += out.num_cached_tokens
@@ -234,9 +244,12 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
         emitted_len: dict[tuple[int, int], int] = {}
 
         async def pump(i: int, stream):
+            """Each stream is iterated and closed by its own task only: closing a stream from another task while
+            this one awaits inside it raises "aclose(): asynchronous generator is already running"."""
             try:
-                async for out in stream:
-                    await queue.put((i, out))
+                async with aclosing(stream):
+                    async for out in stream:
+                        await queue.put((i, out))
             except Exception as e:  # noqa: BLE001 — forwarded to the client as an error event
                 await queue.put((i, e))
             finally:
@@ -280,9 +293,8 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
-                t.cancel()
-            for s in streams:
-                await s.aclose()
+                t.cancel()  # each pump closes its own stream (aborting its request) as it unwinds
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -292,7 +304,7 @@ def _stream_error(exc: BaseException) -> dict:
         return error_body(str(exc), "BadRequestError", exc.field, 400)
     if isinstance(exc, EngineDeadError):
         return error_body(str(exc), "ServiceUnavailableError", None, 503)
-    return error_body(str(exc), "InternalServerError", None, 500)
+    return error_body(str(exc), "InternalServerError", None, 500)  # RequestFailedError and anything unforeseen
 
 
 # ---------------------------------------------------------------- chat
@@ -389,7 +401,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": _usage(len(ids), completion_tokens, final.num_cached_tokens)})
             yield "data: [DONE]\n\n"
-        except (InvalidRequestError, EngineDeadError) as e:
+        except (InvalidRequestError, EngineDeadError, RequestFailedError) as e:
             yield _sse(_stream_error(e))
             yield "data: [DONE]\n\n"
         finally:

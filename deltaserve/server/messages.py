@@ -1,6 +1,7 @@
 """Typed messages between the API process and the engine-core process, as msgpack maps (never pickle).
 
-API -> core: AddRequest, AbortRequest, Shutdown, Probe.   core -> API: Ready, StepOutputs, AddFailed, ProbeResult.
+API -> core: AddRequest, AbortRequest, Shutdown, Probe.
+core -> API: Ready, StepOutputs, AddFailed, RequestFailed, ProbeResult.
 Every message is a dataclass; `encode` writes {"kind": <class name>, **fields}, `decode` checks the kind and the
 field names before building the dataclass back, so a malformed frame is rejected rather than half-read.
 """
@@ -51,12 +52,24 @@ class Ready:
     vocab_size: int
     eos_ids: list[int]
     pid: int
+    stats: dict = field(default_factory=dict)  # the fresh core's stats (all idle)
 
 
 @dataclass
 class StepOutputs:
+    """The tokens of one step with the stats after it; with no outputs, a stats refresh (e.g. after aborts left the
+    core idle, so the gauges do not keep the last busy step's values)."""
+
     outputs: list[dict]  # CoreOutput fields
     stats: dict
+
+
+@dataclass
+class RequestFailed:
+    """The core failed a request it had accepted (engine/faults.py); it is finished and freed there."""
+
+    request_id: str
+    message: str
 
 
 @dataclass
@@ -75,7 +88,7 @@ class ProbeResult:
 
 
 MESSAGES = {cls.__name__: cls for cls in (AddRequest, AbortRequest, Shutdown, Probe, Ready, StepOutputs, AddFailed,
-                                          ProbeResult)}
+                                          RequestFailed, ProbeResult)}
 
 
 def encode(msg) -> bytes:

@@ -12,7 +12,8 @@ Sources:
 * per request: `on_first_token(ttft_s)`, `on_token(itl_s)`, `on_finish(reason, e2e_s, prompt_tokens, cached_tokens,
   generation_tokens, ...)`. Token counters and the prefix-cache query / hit counters (in tokens: queries += prompt
   tokens, hits += cached tokens) advance at finish, so they never depend on the engine reporting them.
-* `on_kv_transfer(seconds, nbytes)` for PD; `set_cache_config(**info)` for the info metric.
+* `on_kv_transfer(seconds, nbytes)` for PD; `on_engine_restart()` per engine-core restart;
+  `set_cache_config(**info)` for the info metric.
 
 Usage gauges (`kv_cache_usage_perc`, `state_slots_usage_perc`) are fractions in [0, 1] as in vLLM, despite the name.
 `num_requests_waiting` carries the label `reason`: `stats["num_waiting_by_reason"]` ({reason: n}) when the engine
@@ -95,6 +96,7 @@ class Metrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.kv_transfer_bytes = counter("kv_transfer_bytes", "Bytes moved by PD KV transfers.")
+        self.engine_restarts = counter("engine_restarts", "Restarts of the engine-core process after it died.")
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens.",
                                              ITL_BUCKETS)
@@ -185,6 +187,10 @@ class Metrics:
                             (self.request_decode_time, decode_s)):
             if value is not None:
                 hist.observe(value)
+
+    def on_engine_restart(self) -> None:
+        """The API process started a fresh engine core after the previous one died."""
+        self.engine_restarts.inc()
 
     def on_kv_transfer(self, seconds: float, nbytes: int = 0) -> None:
         """One completed PD KV transfer (failures come cumulatively through `observe_engine_stats`)."""

@@ -1,5 +1,7 @@
-"""`deltaserve serve`: build the server state, the app and run uvicorn (SIGTERM drains in-flight requests for at
-most --shutdown-timeout seconds, then the engine process is stopped)."""
+"""`deltaserve serve`: build the server state, the app and run uvicorn (server/lifecycle.py: SIGTERM drains in-flight
+requests for at most --shutdown-timeout seconds and answers the rest with 503, then the engine process is stopped; a
+dead engine core is restarted at most --max-engine-restarts times within --engine-restart-window seconds, after
+which the server exits with status 1)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", action="append", default=None)
     parser.add_argument("--max-queue-len", type=int, default=256, help="requests in flight before 503")
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20, help="request bodies above this get 413")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds to drain on SIGTERM; requests still running then get a 503 error")
+    parser.add_argument("--max-engine-restarts", type=int, default=3,
+                        help="restarts of a dead engine-core process allowed within --engine-restart-window; one "
+                             "more death makes the server exit with status 1 (0: exit at the first)")
+    parser.add_argument("--engine-restart-window", type=float, default=600.0,
+                        help="seconds over which --max-engine-restarts is counted")
     EngineArgs.add_cli_args(parser)
 
 
@@ -40,7 +48,8 @@ def build_state(args: argparse.Namespace) -> "ServerState":
     tokenizer = load_tokenizer(path)
     config = load_config(path)
     names = args.served_model_name or [args.model or "deltaserve-default"]
-    client = EngineClient(engine_args, path, tokenizer, log_level=envs.log_level())
+    client = EngineClient(engine_args, path, tokenizer, log_level=envs.log_level(),
+                          max_restarts=args.max_engine_restarts, restart_window_s=args.engine_restart_window)
     metrics = Metrics(cache_config={"block_size": str(engine_args.block_size),
                                     "kv_cache_memory": str(engine_args.kv_cache_memory_bytes)})
     return ServerState(client, tokenizer, config, path, names, metrics, args.api_key, args.max_queue_len,
@@ -48,11 +57,15 @@ def build_state(args: argparse.Namespace) -> "ServerState":
 
 
 def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM / SIGINT (0), or until the engine core can no longer be restarted (1); 3 when start-up
+    fails (uvicorn's STARTUP_FAILURE)."""
     import uvicorn
 
     from .api_server import build_app
+    from .lifecycle import DeltaserveServer
 
-    app = build_app(build_state(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=envs.log_level().lower(),
-                timeout_graceful_shutdown=args.shutdown_timeout)
-    return 0
+    state = build_state(args)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=envs.log_level().lower())
+    server = DeltaserveServer(config, state.engine, drain_s=args.shutdown_timeout)
+    server.run()
+    return server.exit_code if server.started else uvicorn.config.STARTUP_FAILURE
