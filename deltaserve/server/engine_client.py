@@ -154,7 +154,11 @@ class EngineClient:
         return len(self._queues)
 
     async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-            await self._send(AddRequest(request_id, prompt_ids, params_to_dict(params), cache_salt, client))
+                       cache_salt: str | None = None, client: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs until finished. Raises InvalidRequestError (rejected by the core),
+        RequestFailedError (failed in the engine) or EngineDeadError. Leaving the iteration early (client
+        disconnect) aborts the request in the core. `client` is the core scheduler's fairness key (default: the
+        request id)."""
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
         queue: asyncio.Queue = asyncio.Queue()
