@@ -254,6 +254,86 @@ def test_valid_edge_values_accepted():
          continue_final_message=True, add_generation_prompt=False)
 
 
+LONE = "\ud800"
+BIG = 2 ** 64  # one past what msgpack carries
+
+UNREPRESENTABLE = [
+    (CompletionRequest, {"prompt": LONE}, "prompt"),
+    (CompletionRequest, {"prompt": ["ok", "b" + LONE]}, "prompt.1"),
+    (CompletionRequest, {"prompt": [1, BIG]}, "prompt.1"),
+    (CompletionRequest, {"prompt": "a", "stop": LONE}, "stop"),
+    (CompletionRequest, {"prompt": "a", "stop": ["x", LONE]}, "stop.1"),
+    (CompletionRequest, {"prompt": "a", "cache_salt": LONE}, "cache_salt"),
+    (CompletionRequest, {"prompt": "a", "user": LONE}, "user"),
+    (CompletionRequest, {"prompt": "a", "top_k": BIG}, "top_k"),
+    (CompletionRequest, {"prompt": "a", "min_tokens": BIG}, "min_tokens"),
+    (CompletionRequest, {"prompt": "a", "stop_token_ids": [3, BIG]}, "stop_token_ids.1"),
+    (CompletionRequest, {"prompt": "a", "priority": -BIG}, "priority"),
+    (CompletionRequest, {"prompt": "a", "unknown_field": {"k": [LONE]}}, "unknown_field.k.0"),
+    (CompletionRequest, {"prompt": "a", "kv_transfer_params": {LONE: 1}}, "kv_transfer_params"),
+    (CompletionRequest, {"prompt": "a", "temperature": float("inf")}, "temperature"),
+    (ChatCompletionRequest, {"messages": [USER[0], {"role": "user", "content": LONE}]}, "messages.1.content"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages.0.content.0.text"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi", "name": LONE}]}, "messages.0.name"),
+    (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function", "function": {"name": LONE}}]},
+     "tools.0.function.name"),
+    (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {LONE: {}}}}}]},
+     "tools.0.function.parameters.properties"),
+    (ChatCompletionRequest, {"messages": USER, "chat_template_kwargs": {"x": LONE}}, "chat_template_kwargs.x"),
+    (TokenizeRequest, {"prompt": LONE}, "prompt"),
+    (DetokenizeRequest, {"tokens": [BIG]}, "tokens.0"),
+]
+
+
+@pytest.mark.parametrize("cls,payload,param", UNREPRESENTABLE, ids=[p for _, _, p in UNREPRESENTABLE])
+def test_values_the_engine_cannot_carry_name_their_path(cls, payload, param):
+    err = error_of(cls, payload)
+    assert err["param"] == param and err["message"].startswith(param)
+    json.dumps(err).encode("utf-8")  # the error itself must be sendable
+
+
+def test_representable_edges_accepted():
+    completion(seed=2 ** 64 - 1, top_k=2 ** 63 - 1, stop_token_ids=[2 ** 63 - 1], priority=-(2 ** 63))
+    completion(seed=-(2 ** 63), n=5)
+    chat(messages=[{"role": "user", "content": "\U0001F600 \u00e9 \ud7ff \ue000"}])
+
+
+@pytest.mark.parametrize("n,seed,ok", [(2, 2 ** 64 - 2, True), (2, 2 ** 64 - 1, False), (5, 2 ** 64 - 5, True),
+                                       (5, 2 ** 64 - 4, False), (1, 2 ** 64 - 1, True)])
+def test_seed_plus_n_must_stay_in_range(n, seed, ok):
+    if ok:
+        assert completion(n=n, seed=seed).to_sampling_params(None).seed == seed
+    else:
+        err = error_of(CompletionRequest, {"prompt": "a", "n": n, "seed": seed})
+        assert err["param"] == "seed" and "seed + i" in err["message"]
+
+
+BAD_SCHEMAS = [{"type": "nope"}, {"type": "object", "properties": []}, {"required": "x"}, {"minLength": -1},
+               {"$schema": "http://json-schema.org/draft-07/schema#", "type": 5}]
+
+
+@pytest.mark.parametrize("schema", BAD_SCHEMAS, ids=range(len(BAD_SCHEMAS)))
+def test_invalid_tool_and_response_schemas(schema):
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": schema}}]
+    err = error_of(ChatCompletionRequest, {"messages": USER, "tools": tools})
+    assert err["param"] == "tools.1.function.parameters" and "not a valid JSON schema" in err["message"]
+    err = error_of(TokenizeRequest, {"messages": USER, "tools": tools})
+    assert err["param"] == "tools.1.function.parameters"
+    err = error_of(ChatCompletionRequest, {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "r", "schema": schema}}})
+    assert err["param"] == "response_format.json_schema.schema"
+
+
+def test_valid_tool_schemas_accepted():
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["a", "b"]}},
+              "required": ["city"], "additionalProperties": False}
+    req = chat(tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    assert req.tool_dicts()[0]["function"]["parameters"] == schema
+    chat(tools=[{"type": "function", "function": {"name": "g"}}])
+
+
 def test_fastapi_style_errors():
     # FastAPI prefixes locations with "body"; JSON decode errors name no field.
     errors = [{"type": "greater_than_equal", "loc": ("body", "temperature"), "msg": "Input should be >= 0",
