@@ -17,6 +17,8 @@ from ..chat import ChatError
 from ..engine.sampling_params import InvalidRequestError
 from .engine_client import EngineDeadError
 from .handlers import ServerState, chat_completion, completion
+from .leased_response import leased
+from .limits import QueueFullError, SequenceLease
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
                        TokenizeRequest, error_body, validation_error_body)
 
@@ -87,18 +89,26 @@ def build_app(state: ServerState) -> FastAPI:
     async def on_chat(_request: Request, exc: ChatError):
         return _error(400, str(exc), "BadRequestError", "messages")
 
+    @app.exception_handler(QueueFullError)
+    async def on_queue_full(_request: Request, exc: QueueFullError):
+        return _error(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": "1"})
+
     @app.exception_handler(EngineDeadError)
     async def on_dead(_request: Request, exc: EngineDeadError):
         return _error(503, str(exc), "ServiceUnavailableError")
 
-    def admit(model: str | None) -> None:
-        if model is not None and model not in state.served_names:
-            raise APIError(404, f"the model {model!r} does not exist", "NotFoundError", "model")
+    def admit(req: CompletionRequest | ChatCompletionRequest, num_prompts: int, prompt_param: str) -> SequenceLease:
+        """Check what can be checked before tokenising, then reserve the request's sequences in the queue."""
+        if req.model is not None and req.model not in state.served_names:
+            raise APIError(404, f"the model {req.model!r} does not exist", "NotFoundError", "model")
         if not state.engine.healthy:
             raise APIError(503, "the engine is not running", "ServiceUnavailableError")
-        if state.engine.num_in_flight >= state.max_queue_len:
-            raise APIError(503, f"the server is at its queue limit of {state.max_queue_len} requests",
-                           "ServiceUnavailableError", headers={"Retry-After": "1"})
+        state.limits.check_shape(req.n, num_prompts, prompt_param)
+        for i, token in enumerate(req.stop_token_ids or ()):
+            if token >= state.engine.vocab_size:
+                raise InvalidRequestError(f"stop_token_ids.{i}", f"token id {token} is outside the vocabulary "
+                                                                 f"[0, {state.engine.vocab_size})")
+        return state.queue.take(req.n * num_prompts, "n" if req.n > 1 else prompt_param)
 
     @app.get("/health")
     async def health():
@@ -143,13 +153,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        admit(req.model)
-        return await completion(state, req, raw, f"cmpl-{uuid.uuid4().hex}")
+        lease = admit(req, len(req.prompts()), "prompt")
+        return await leased(lease, completion(state, req, raw, f"cmpl-{uuid.uuid4().hex}"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        admit(req.model)
-        return await chat_completion(state, req, raw, f"chatcmpl-{uuid.uuid4().hex}")
+        lease = admit(req, 1, "messages")
+        return await leased(lease, chat_completion(state, req, raw, f"chatcmpl-{uuid.uuid4().hex}"))
 
     return app
 
