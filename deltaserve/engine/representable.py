@@ -49,8 +49,8 @@ def problem(value: Any) -> str | None:
 def first_unrepresentable(value: Any, prefix: str = "") -> tuple[str, str] | None:
     """(dotted path, reason) of the first value inside `value` that cannot cross to the engine, else None.
 
-    Dict keys are checked as strings (a bad key is reported at the dict's path plus the key's repr-safe form);
-    list entries are named by index, e.g. `messages.1.content`.
+    Dict keys are checked as strings (a bad key is reported at its dict's path, "" for the top level: the key
+    itself cannot be printed); list entries are named by index, e.g. `messages.1.content`.
     """
     stack: list[tuple[str, Any]] = [(prefix, value)]
     while stack:
@@ -59,7 +59,7 @@ def first_unrepresentable(value: Any, prefix: str = "") -> tuple[str, str] | Non
             entries = []
             for key, sub in item.items():
                 if isinstance(key, str) and not is_utf8(key):
-                    return path or "body", "a key is not valid UTF-8 (it holds a lone surrogate)"
+                    return path, "a key is not valid UTF-8 (it holds a lone surrogate)"
                 entries.append((f"{path}.{key}" if path else str(key), sub))
             stack.extend(reversed(entries))
         elif isinstance(item, (list, tuple)):
@@ -67,5 +67,5 @@ def first_unrepresentable(value: Any, prefix: str = "") -> tuple[str, str] | Non
         else:
             reason = problem(item)
             if reason is not None:
-                return path or "body", reason
+                return path, reason
     return None

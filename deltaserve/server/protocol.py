@@ -75,7 +75,7 @@ class RequestBody(OpenAIModel):
         bad = first_unrepresentable(data)
         if bad is not None:
             path, reason = bad
-            raise request_error(path, f"{path}: {reason}")
+            raise request_error(path or None, f"{path or 'request body'}: {reason}")
         return data
 
 
