@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -19,6 +19,7 @@ from .engine_client import EngineDeadError
 from .handlers import ServerState, chat_completion, completion
 from .leased_response import leased
 from .limits import QueueFullError, SequenceLease
+from .openapi_doc import openapi_document
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
                        TokenizeRequest, error_body, validation_error_body)
 
@@ -45,6 +46,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
     app.state.server = state
+    app.openapi = lambda: openapi_document(app, bool(state.api_key))
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -75,7 +77,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "BadRequestError")
+        return _error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "BadRequestError",
+                      headers=exc.headers)  # e.g. a 405's Allow
 
     @app.exception_handler(APIError)
     async def on_api_error(_request: Request, exc: APIError):
@@ -110,7 +113,7 @@ def build_app(state: ServerState) -> FastAPI:
                                                                  f"[0, {state.engine.vocab_size})")
         return state.queue.take(req.n * num_prompts, "n" if req.n > 1 else prompt_param)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "The engine is running (no body)"}})
     async def health():
         if not state.engine.healthy:
             return _error(503, "the engine is not running", "ServiceUnavailableError")
@@ -126,7 +129,7 @@ def build_app(state: ServerState) -> FastAPI:
                            max_model_len=state.engine.max_model_len) for name in state.served_names]
         return ModelList(data=cards)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         state.metrics.observe_engine_stats(state.engine.stats)
         body, content_type = state.metrics.render()
