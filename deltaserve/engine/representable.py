@@ -33,7 +33,7 @@ def is_utf8(text: str) -> bool:
     return True
 
 
-def problem(value: Any) -> str | None:
+def unrepresentable_reason(value: Any) -> str | None:
     """Why the scalar `value` cannot cross to the engine, or None when it can (containers are not inspected)."""
     if isinstance(value, bool) or value is None:
         return None
@@ -46,13 +46,13 @@ def problem(value: Any) -> str | None:
     return None
 
 
-def first_unrepresentable(value: Any, prefix: str = "") -> tuple[str, str] | None:
+def first_unrepresentable(value: Any) -> tuple[str, str] | None:
     """(dotted path, reason) of the first value inside `value` that cannot cross to the engine, else None.
 
     Dict keys are checked as strings (a bad key is reported at its dict's path, "" for the top level: the key
     itself cannot be printed); list entries are named by index, e.g. `messages.1.content`.
     """
-    stack: list[tuple[str, Any]] = [(prefix, value)]
+    stack: list[tuple[str, Any]] = [("", value)]
     while stack:
         path, item = stack.pop()
         if isinstance(item, dict):
@@ -65,7 +65,7 @@ def first_unrepresentable(value: Any, prefix: str = "") -> tuple[str, str] | Non
         elif isinstance(item, (list, tuple)):
             stack.extend(reversed([(f"{path}.{i}" if path else str(i), sub) for i, sub in enumerate(item)]))
         else:
-            reason = problem(item)
+            reason = unrepresentable_reason(item)
             if reason is not None:
                 return path, reason
     return None

@@ -77,8 +77,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "BadRequestError",
-                      headers=exc.headers)  # e.g. a 405's Allow
+        kind = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        return _error(exc.status_code, str(exc.detail), kind, headers=exc.headers)  # e.g. a 405's Allow
 
     @app.exception_handler(APIError)
     async def on_api_error(_request: Request, exc: APIError):

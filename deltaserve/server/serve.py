@@ -32,7 +32,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", action="append", default=None)
     parser.add_argument("--max-queue-len", type=_positive_int, default=256,
                         help="sequences (every prompt of a request times n) queued or running before 503")
-    parser.add_argument("--max-n", type=_positive_int, default=RequestLimits.max_n, help="largest n a request may ask for")
+    parser.add_argument("--max-n", type=_positive_int, default=RequestLimits.max_n,
+                        help="largest n a request may ask for")
     parser.add_argument("--max-prompts-per-request", type=_positive_int, default=RequestLimits.max_prompts_per_request,
                         help="most prompts in one completions request's prompt list")
     parser.add_argument("--max-tokens-per-request", type=_positive_int, default=RequestLimits.max_tokens_per_request,
