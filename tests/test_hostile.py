@@ -150,7 +150,7 @@ def _encoding_cases() -> list[Case]:
     ]
 
 
-# Integer fields of a completions / chat request and a valid value for the rest of the body.
+# Integer fields of a completions request: each gets a value beyond 64 bits, a string and a float.
 _INT_FIELDS = ["n", "top_k", "seed", "min_tokens", "max_tokens", "logprobs", "priority", "truncate_prompt_tokens",
                "best_of"]
 
