@@ -1,11 +1,16 @@
-"""OpenAI protocol models (serving.md §10) and Prometheus metrics (§11): fast, no engine, no model."""
+"""OpenAI protocol models (serving.md §10), request limits and Prometheus metrics (§11): fast, no engine, no model."""
 
+import argparse
+import asyncio
 import json
 
 import pytest
 from pydantic import ValidationError
+from starlette.responses import PlainTextResponse
 
 from deltaserve.engine.sampling_params import InvalidRequestError
+from deltaserve.server.leased_response import leased
+from deltaserve.server.limits import QueueFullError, RequestLimits, SequenceQueue
 from deltaserve.server.metrics import Metrics
 from deltaserve.server.protocol import (
     SSE_DONE, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent,
@@ -14,6 +19,7 @@ from deltaserve.server.protocol import (
     CompletionResponseStreamChoice, CompletionStreamResponse, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
     DetokenizeRequest, DetokenizeResponse, ErrorResponse, FunctionCall, ModelCard, ModelList, TokenizeRequest,
     TokenizeResponse, ToolCall, UsageInfo, error_body, invalid_request_body, sse_event, validation_error_body)
+from deltaserve.server.serve import add_cli_args
 
 USER = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -254,6 +260,86 @@ def test_valid_edge_values_accepted():
          continue_final_message=True, add_generation_prompt=False)
 
 
+LONE = "\ud800"
+BIG = 2 ** 64  # one past what msgpack carries
+
+UNREPRESENTABLE = [
+    (CompletionRequest, {"prompt": LONE}, "prompt"),
+    (CompletionRequest, {"prompt": ["ok", "b" + LONE]}, "prompt.1"),
+    (CompletionRequest, {"prompt": [1, BIG]}, "prompt.1"),
+    (CompletionRequest, {"prompt": "a", "stop": LONE}, "stop"),
+    (CompletionRequest, {"prompt": "a", "stop": ["x", LONE]}, "stop.1"),
+    (CompletionRequest, {"prompt": "a", "cache_salt": LONE}, "cache_salt"),
+    (CompletionRequest, {"prompt": "a", "user": LONE}, "user"),
+    (CompletionRequest, {"prompt": "a", "top_k": BIG}, "top_k"),
+    (CompletionRequest, {"prompt": "a", "min_tokens": BIG}, "min_tokens"),
+    (CompletionRequest, {"prompt": "a", "stop_token_ids": [3, BIG]}, "stop_token_ids.1"),
+    (CompletionRequest, {"prompt": "a", "priority": -BIG}, "priority"),
+    (CompletionRequest, {"prompt": "a", "unknown_field": {"k": [LONE]}}, "unknown_field.k.0"),
+    (CompletionRequest, {"prompt": "a", "kv_transfer_params": {LONE: 1}}, "kv_transfer_params"),
+    (CompletionRequest, {"prompt": "a", "temperature": float("inf")}, "temperature"),
+    (ChatCompletionRequest, {"messages": [USER[0], {"role": "user", "content": LONE}]}, "messages.1.content"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages.0.content.0.text"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi", "name": LONE}]}, "messages.0.name"),
+    (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function", "function": {"name": LONE}}]},
+     "tools.0.function.name"),
+    (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {LONE: {}}}}}]},
+     "tools.0.function.parameters.properties"),
+    (ChatCompletionRequest, {"messages": USER, "chat_template_kwargs": {"x": LONE}}, "chat_template_kwargs.x"),
+    (TokenizeRequest, {"prompt": LONE}, "prompt"),
+    (DetokenizeRequest, {"tokens": [BIG]}, "tokens.0"),
+]
+
+
+@pytest.mark.parametrize("cls,payload,param", UNREPRESENTABLE, ids=[p for _, _, p in UNREPRESENTABLE])
+def test_values_the_engine_cannot_carry_name_their_path(cls, payload, param):
+    err = error_of(cls, payload)
+    assert err["param"] == param and err["message"].startswith(param)
+    json.dumps(err).encode("utf-8")  # the error itself must be sendable
+
+
+def test_representable_edges_accepted():
+    completion(seed=2 ** 64 - 1, top_k=2 ** 63 - 1, stop_token_ids=[2 ** 63 - 1], priority=-(2 ** 63))
+    completion(seed=-(2 ** 63), n=5)
+    chat(messages=[{"role": "user", "content": "\U0001F600 \u00e9 \ud7ff \ue000"}])
+
+
+@pytest.mark.parametrize("n,seed,ok", [(2, 2 ** 64 - 2, True), (2, 2 ** 64 - 1, False), (5, 2 ** 64 - 5, True),
+                                       (5, 2 ** 64 - 4, False), (1, 2 ** 64 - 1, True)])
+def test_seed_plus_n_must_stay_in_range(n, seed, ok):
+    if ok:
+        assert completion(n=n, seed=seed).to_sampling_params(None).seed == seed
+    else:
+        err = error_of(CompletionRequest, {"prompt": "a", "n": n, "seed": seed})
+        assert err["param"] == "seed" and "seed + i" in err["message"]
+
+
+BAD_SCHEMAS = [{"type": "nope"}, {"type": "object", "properties": []}, {"required": "x"}, {"minLength": -1},
+               {"$schema": "http://json-schema.org/draft-07/schema#", "type": 5}]
+
+
+@pytest.mark.parametrize("schema", BAD_SCHEMAS, ids=range(len(BAD_SCHEMAS)))
+def test_invalid_tool_and_response_schemas(schema):
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": schema}}]
+    err = error_of(ChatCompletionRequest, {"messages": USER, "tools": tools})
+    assert err["param"] == "tools.1.function.parameters" and "not a valid JSON schema" in err["message"]
+    err = error_of(TokenizeRequest, {"messages": USER, "tools": tools})
+    assert err["param"] == "tools.1.function.parameters"
+    err = error_of(ChatCompletionRequest, {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "r", "schema": schema}}})
+    assert err["param"] == "response_format.json_schema.schema"
+
+
+def test_valid_tool_schemas_accepted():
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["a", "b"]}},
+              "required": ["city"], "additionalProperties": False}
+    req = chat(tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    assert req.tool_dicts()[0]["function"]["parameters"] == schema
+    chat(tools=[{"type": "function", "function": {"name": "g"}}])
+
+
 def test_fastapi_style_errors():
     # FastAPI prefixes locations with "body"; JSON decode errors name no field.
     errors = [{"type": "greater_than_equal", "loc": ("body", "temperature"), "msg": "Input should be >= 0",
@@ -458,3 +544,82 @@ def test_sse_events_survive_line_readers_that_split_on_unicode_breaks(text):
         lines = [line for line in LineDecoder().decode(event) if line]
         assert len(lines) == 1 and lines[0].startswith("data: ")
         assert json.loads(lines[0][6:])["choices"][0]["text"] == text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Request limits and the sequence queue (server/limits.py)
+
+
+def test_sequence_queue_counts_reserves_and_releases():
+    queue = SequenceQueue(8)
+    a = queue.take(4, "n")
+    b = queue.take(4, "prompt")
+    assert queue.in_flight == 8
+    with pytest.raises(QueueFullError, match="8 queued or running, this request needs 1"):
+        queue.take(1, "prompt")
+    with pytest.raises(InvalidRequestError) as info:
+        queue.take(9, "n")  # can never fit: a 400, not a 503 to retry
+    assert info.value.field == "n"
+    a.release()
+    a.release()  # idempotent
+    assert queue.in_flight == 4
+    queue.take(4, "n").release()
+    b.release()
+    assert queue.in_flight == 0
+
+
+def test_request_limits_name_the_field():
+    limits = RequestLimits(max_n=4, max_prompts_per_request=2, max_tokens_per_request=100)
+    limits.check_shape(4, 2, "prompt")
+    for n, prompts, field in [(5, 1, "n"), (1, 3, "prompt")]:
+        with pytest.raises(InvalidRequestError) as info:
+            limits.check_shape(n, prompts, "prompt")
+        assert info.value.field == field
+    limits.check_tokens([10, 15], 2, 10, 64, "max_tokens")  # 2 * (20 + 25) = 90
+    with pytest.raises(InvalidRequestError) as info:
+        limits.check_tokens([10, 15], 2, 13, 64, "max_tokens")  # 2 * (23 + 28) = 102
+    assert info.value.field == "max_tokens" and "102" in str(info.value)
+    limits.check_tokens([10], 1, None, 100, "max_tokens")  # no max_tokens: the rest of the context, 100 in all
+    with pytest.raises(InvalidRequestError) as info:
+        limits.check_tokens([10], 2, None, 64, "max_completion_tokens")  # 2 * 64
+    assert info.value.field == "max_completion_tokens" and "each sequence may fill the context" in str(info.value)
+
+
+def test_leased_response_releases_when_sent_or_failed():
+    queue = SequenceQueue(4)
+
+    async def ok():
+        return PlainTextResponse("hi")
+
+    async def broken():
+        raise InvalidRequestError("prompt", "bad")
+
+    async def scenario():
+        response = await leased(queue.take(3, "n"), ok())
+        assert queue.in_flight == 3  # held until sent
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        assert queue.in_flight == 0 and sent[-1]["body"] == b"hi"
+        with pytest.raises(InvalidRequestError):
+            await leased(queue.take(2, "n"), broken())
+        assert queue.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_limit_flags_must_be_positive():
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_cli_args(parser)
+    args = parser.parse_args(["--max-n", "3", "--max-queue-len", "9"])
+    assert (args.max_n, args.max_queue_len, args.max_prompts_per_request, args.max_tokens_per_request) == \
+        (3, 9, 64, 1 << 20)
+    for flag in ("--max-n", "--max-prompts-per-request", "--max-tokens-per-request", "--max-queue-len"):
+        with pytest.raises(argparse.ArgumentError):
+            parser.parse_args([flag, "0"])

@@ -2,6 +2,7 @@
 
 import math
 
+import msgpack
 import pytest
 import torch
 
@@ -62,6 +63,53 @@ def test_invalid_params_name_the_field(kwargs, field):
     assert info.value.field == field
     assert field in str(info.value)
     assert isinstance(info.value, ValueError) and isinstance(info.value, DeltaserveError)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"seed": 2 ** 64}, "seed"),
+        ({"seed": -(2 ** 63) - 1}, "seed"),
+        ({"seed": 2 ** 64 - 1, "n": 2}, "seed"),
+        ({"seed": 2 ** 64 - 3, "n": 4}, "seed"),
+        ({"n": 2 ** 63}, "n"),
+        ({"top_k": 2 ** 63}, "top_k"),
+        ({"max_tokens": 2 ** 63}, "max_tokens"),
+        ({"min_tokens": 2 ** 63, "max_tokens": None}, "min_tokens"),
+        ({"stop_token_ids": [2 ** 64]}, "stop_token_ids"),
+        ({"stop": ["ok", "\udfff"]}, "stop"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_unrepresentable_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == field and field in str(info.value)
+
+
+def test_every_derived_seed_reaches_torch():
+    # The engine seeds sample i with seed + i after the params crossed msgpack; the largest and smallest accepted
+    # seeds must survive both.
+    for n, seed in [(3, 2 ** 64 - 3), (1, 2 ** 64 - 1), (2, -(2 ** 63))]:
+        p = SamplingParams(n=n, seed=seed)
+        for i in range(n):
+            assert msgpack.unpackb(msgpack.packb(p.seed + i)) == seed + i
+            torch.Generator().manual_seed(p.seed + i)
+    for beyond in (2 ** 64, -(2 ** 63) - 1):  # the range is exactly what both accept
+        with pytest.raises(OverflowError):
+            msgpack.packb(beyond)
+        with pytest.raises(ValueError):
+            torch.Generator().manual_seed(beyond)
+
+
+def test_validate_catches_fields_changed_after_construction():
+    p = SamplingParams(n=2, seed=1)
+    p.seed = 2 ** 64 - 1
+    with pytest.raises(InvalidRequestError) as info:
+        p.validate()
+    assert info.value.field == "seed"
 
 
 def test_params_defaults_and_normalisation():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import count
+from numbers import Integral
+from typing import Any
 
 from tqdm import tqdm
 
@@ -12,9 +14,51 @@ from ..errors import RequestFailedError
 from .config import EngineArgs
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .representable import COUNT_MAX, is_utf8
+from .sampling_params import InvalidRequestError, SamplingParams
 
 Prompt = str | list[int]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool) and 0 <= value <= COUNT_MAX
+
+
+def _prompt_list(prompts: Any) -> list[Prompt]:
+    """`prompts` as a list of prompts: one string, one token-id list, or a sequence of those.
+
+    Raises InvalidRequestError (field "prompt") for anything else: a dict, a prompt of floats, bools or digit
+    strings, a string that is not valid UTF-8. Vocabulary and length are the engine's checks."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and not isinstance(prompts[0], (str, list, tuple))):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidRequestError("prompt", "prompts must be a string, a list of token ids (ints >= 0), or a list "
+                                            f"of those, got {type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if not is_utf8(prompt):
+                raise InvalidRequestError("prompt", f"prompt {i} is not valid UTF-8 (it holds a lone surrogate)")
+        elif not (isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt)):
+            raise InvalidRequestError("prompt", f"prompt {i} must be a string or a list of token ids (ints in "
+                                                f"[0, {COUNT_MAX}], not bools), got {str(prompt)[:80]}")
+    return list(prompts)
+
+
+def _params_list(sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
+    """One validated SamplingParams per prompt; raises InvalidRequestError (field "sampling_params" or the
+    parameter's own name) before anything is queued."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        params = [sampling_params or SamplingParams()] * num_prompts
+    else:
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise InvalidRequestError("sampling_params", f"{len(params)} sampling params for {num_prompts} prompts")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(p).__name__}")
+        p.validate()  # the caller may have changed fields since construction
+    return params
 
 
 class LLM:
@@ -27,19 +71,12 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a batch (strings or token-id lists); outputs come back in input order.
-        Every request is validated before any is queued, so a bad one leaves the engine untouched. The batch is
-        one client to the scheduler, so its prompts are admitted in order (FCFS). If the engine fails a request,
-        the others still run to the end and RequestFailedError is raised with every output (`outputs`, failed ones
-        with `error` set)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        Every request is validated before any is queued, so a bad one leaves the engine untouched; malformed
+        prompts and params raise InvalidRequestError. The batch is one client to the scheduler, so its prompts are
+        admitted in order (FCFS). If the engine fails a request, the others still run to the end and
+        RequestFailedError is raised with every output (`outputs`, failed ones with `error` set)."""
+        prompts = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(prompts))
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params):

@@ -1,8 +1,13 @@
 """SamplingParams: the per-request generation settings, with vLLM's names and defaults.
 
-Every value is validated in `__post_init__`; a bad one raises `InvalidRequestError`, whose message
+Every value is validated in `__post_init__` (and again by `validate()`, which callers run before queueing a
+request whose params may have been mutated since); a bad one raises `InvalidRequestError`, whose message
 names the field and whose `.field` attribute holds that name, so an API server can map the error
 to a 400 response that points at the offending parameter.
+
+Besides each field's own range, the values must be representable on the way to the engine
+(`representable`): counts fit an int64, floats are finite, stop strings are valid UTF-8, and the
+per-sample seeds `seed + i` (i < n) stay inside what msgpack and torch's `Generator.manual_seed` accept.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DeltaserveError
+from .representable import COUNT_MAX, INT_MAX, INT_MIN, is_utf8
 
 # vLLM's default max_logprobs: asking for more alternatives than this is a request error.
 MAX_LOGPROBS = 20
@@ -34,8 +40,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_count(value: Any, low: int = 0) -> bool:
+    """An int in [low, COUNT_MAX]: what an int64 tensor holds."""
+    return _is_int(value) and low <= value <= COUNT_MAX
+
+
 def _is_real(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and not math.isnan(value)
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -75,7 +86,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._normalise()
-        self._validate()
+        self.validate()
 
     def _normalise(self) -> None:
         # Accept the spellings vLLM accepts: a bare stop string, None lists, and top_k=-1 for "off".
@@ -96,39 +107,52 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
 
-    def _validate(self) -> None:
-        # Checks are written as `not (x >= lo)` where NaN must fail too.
-        _require(_is_int(self.n) and self.n >= 1, "n", f"n must be an int >= 1, got {self.n!r}")
+    def validate(self) -> None:
+        """Check every field (type, range, representability); raises InvalidRequestError naming the field."""
+        # Checks are written so that NaN and infinities fail too (`_is_real` requires a finite number).
+        _require(_is_count(self.n, 1), "n", f"n must be an int in [1, {COUNT_MAX}], got {self.n!r}")
         _require(_is_real(self.temperature) and self.temperature >= 0, "temperature",
-                 f"temperature must be >= 0, got {self.temperature!r}")
+                 f"temperature must be a finite number >= 0, got {self.temperature!r}")
         _require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p",
                  f"top_p must be in (0, 1], got {self.top_p!r}")
-        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k",
-                 f"top_k must be an int >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        _require(_is_count(self.top_k), "top_k",
+                 f"top_k must be an int in [-1, {COUNT_MAX}] (0 or -1 disables it), got {self.top_k!r}")
         _require(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p",
                  f"min_p must be in [0, 1], got {self.min_p!r}")
-        _require(self.seed is None or _is_int(self.seed), "seed",
-                 f"seed must be an int or None, got {self.seed!r}")
+        self._validate_seed()
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(_is_real(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")
-        _require(_is_real(self.repetition_penalty) and self.repetition_penalty > 0
-                 and math.isfinite(self.repetition_penalty), "repetition_penalty",
-                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
-                 f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
-        _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
-                 f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        _require(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        _require(self.max_tokens is None or _is_count(self.max_tokens, 1), "max_tokens",
+                 f"max_tokens must be an int in [1, {COUNT_MAX}] or None, got {self.max_tokens!r}")
+        _require(_is_count(self.min_tokens), "min_tokens",
+                 f"min_tokens must be an int in [0, {COUNT_MAX}], got {self.min_tokens!r}")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        for stop in self.stop:
+        for i, stop in enumerate(self.stop):
             _require(isinstance(stop, str), "stop", f"stop entries must be strings, got {stop!r}")
             _require(stop != "", "stop", "stop must not contain an empty string")
+            _require(is_utf8(stop), "stop", f"stop entry {i} is not valid UTF-8 (it holds a lone surrogate)")
         for tid in self.stop_token_ids:
-            _require(_is_int(tid) and tid >= 0, "stop_token_ids",
-                     f"stop_token_ids must be non-negative ints, got {tid!r}")
+            _require(_is_count(tid), "stop_token_ids",
+                     f"stop_token_ids must be ints in [0, {COUNT_MAX}], got {tid!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _require(isinstance(getattr(self, name), bool), name, f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _validate_seed(self) -> None:
+        # The engine seeds sample i of n with `seed + i`; every one of those must reach torch's manual_seed.
+        if self.seed is None:
+            return
+        _require(_is_int(self.seed) and INT_MIN <= self.seed <= INT_MAX, "seed",
+                 f"seed must be an int in [{INT_MIN}, {INT_MAX}] or None, got {self.seed!r}")
+        last = INT_MAX - (self.n - 1)
+        _require(self.seed <= last, "seed",
+                 f"seed {self.seed} with n={self.n} overflows: sample i is seeded with seed + i, so seed must be "
+                 f"<= {last}")
 
     @property
     def greedy(self) -> bool:

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..version import __version__
@@ -19,6 +19,9 @@ from ..engine.sampling_params import InvalidRequestError
 from ..errors import RequestFailedError
 from .engine_client import EngineDeadError
 from .handlers import ServerState, chat_completion, completion
+from .leased_response import leased
+from .limits import QueueFullError, SequenceLease
+from .openapi_doc import openapi_document
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
                        TokenizeRequest, error_body, validation_error_body)
 
@@ -46,6 +49,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
     app.state.server = state
+    app.openapi = lambda: openapi_document(app, bool(state.api_key))
 
     expected_auth = f"Bearer {state.api_key}".encode() if state.api_key else None
 
@@ -79,7 +83,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "BadRequestError")
+        kind = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        return _error(exc.status_code, str(exc.detail), kind, headers=exc.headers)  # e.g. a 405's Allow
 
     @app.exception_handler(APIError)
     async def on_api_error(_request: Request, exc: APIError):
@@ -93,6 +98,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def on_chat(_request: Request, exc: ChatError):
         return _error(400, str(exc), "BadRequestError", "messages")
 
+    @app.exception_handler(QueueFullError)
+    async def on_queue_full(_request: Request, exc: QueueFullError):
+        return _error(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": "1"})
+
     @app.exception_handler(EngineDeadError)
     async def on_dead(_request: Request, exc: EngineDeadError):
         return _error(503, str(exc), "ServiceUnavailableError")
@@ -101,16 +110,20 @@ def build_app(state: ServerState) -> FastAPI:
     async def on_failed(_request: Request, exc: RequestFailedError):
         return _error(500, str(exc), "InternalServerError")
 
-    def admit(model: str | None) -> None:
-        if model is not None and model not in state.served_names:
-            raise APIError(404, f"the model {model!r} does not exist", "NotFoundError", "model")
+    def admit(req: CompletionRequest | ChatCompletionRequest, num_prompts: int, prompt_param: str) -> SequenceLease:
+        """Check what can be checked before tokenising, then reserve the request's sequences in the queue."""
+        if req.model is not None and req.model not in state.served_names:
+            raise APIError(404, f"the model {req.model!r} does not exist", "NotFoundError", "model")
         if not state.engine.healthy:
             raise APIError(503, "the engine is not running", "ServiceUnavailableError")
-        if state.engine.num_in_flight >= state.max_queue_len:
-            raise APIError(503, f"the server is at its queue limit of {state.max_queue_len} requests",
-                           "ServiceUnavailableError", headers={"Retry-After": "1"})
+        state.limits.check_shape(req.n, num_prompts, prompt_param)
+        for i, token in enumerate(req.stop_token_ids or ()):
+            if token >= state.engine.vocab_size:
+                raise InvalidRequestError(f"stop_token_ids.{i}", f"token id {token} is outside the vocabulary "
+                                                                 f"[0, {state.engine.vocab_size})")
+        return state.queue.take(req.n * num_prompts, "n" if req.n > 1 else prompt_param)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "The engine is running (no body)"}})
     async def health():
         if not state.engine.healthy:
             return _error(503, "the engine is not running", "ServiceUnavailableError")
@@ -128,7 +141,7 @@ def build_app(state: ServerState) -> FastAPI:
                            max_model_len=state.engine.max_model_len) for name in state.served_names]
         return ModelList(data=cards)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         state.metrics.observe_engine_stats(state.engine.stats)
         body, content_type = state.metrics.render()
@@ -155,13 +168,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        admit(req.model)
-        return await completion(state, req, raw, f"cmpl-{uuid.uuid4().hex}")
+        lease = admit(req, len(req.prompts()), "prompt")
+        return await leased(lease, completion(state, req, raw, f"cmpl-{uuid.uuid4().hex}"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        admit(req.model)
-        return await chat_completion(state, req, raw, f"chatcmpl-{uuid.uuid4().hex}")
+        lease = admit(req, 1, "messages")
+        return await leased(lease, chat_completion(state, req, raw, f"chatcmpl-{uuid.uuid4().hex}"))
 
     return app
 

@@ -20,6 +20,7 @@ from ..engine.sampling_params import InvalidRequestError, SamplingParams
 from ..errors import RequestFailedError
 from ..tokenizer import Tokenizer
 from .engine_client import EngineClient, EngineDeadError
+from .limits import RequestLimits, SequenceQueue
 from .metrics import Metrics
 from .parsers import parser_for
 from .protocol import (ChatCompletionRequest, ChatPromptOptions, CompletionRequest, TokenizeRequest, error_body,
@@ -38,6 +39,11 @@ class ServerState:
     max_queue_len: int = 256
     max_request_bytes: int = 16 << 20
     created: int = field(default_factory=lambda: int(time.time()))
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    queue: SequenceQueue = field(init=False)  # sequences admitted and unfinished, bounded by max_queue_len
+
+    def __post_init__(self) -> None:
+        self.queue = SequenceQueue(self.max_queue_len)
 
     def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
         if not ids:
@@ -207,6 +213,8 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
     params = req.to_sampling_params(default_max_tokens=16)
     for _, ids in inputs:
         state.check_room(ids, params, "max_tokens")
+    state.limits.check_tokens([len(ids) for _, ids in inputs], params.n, params.max_tokens,
+                              state.engine.max_model_len, "max_tokens")
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
     n = params.n
@@ -325,7 +333,9 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
     ids = state.truncate(ids, req.truncate_prompt_tokens)
     state.check_prompt(ids, "messages")
     params = req.to_sampling_params(default_max_tokens=None)
-    state.check_room(ids, params, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    state.check_room(ids, params, max_param)
+    state.limits.check_tokens([len(ids)], params.n, params.max_tokens, state.engine.max_model_len, max_param)
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
     stream = _tracked(state, rid, None, ids, params, req.cache_salt, fairness_key(req.user, rid))

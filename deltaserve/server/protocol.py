@@ -3,6 +3,11 @@
 Requests ignore unknown fields (as OpenAI and vLLM do) but reject wrong types and out-of-range values at parse time:
 numbers, ints and bools are strict (`"0.5"`, `true` or `5.0` are not accepted where a float / int / bool is expected;
 vLLM is laxer).
+Before any field is read, the whole body (known and unknown fields, dict keys, message content parts, tool
+definitions) is walked once: every string must be valid UTF-8, every integer inside what msgpack carries and every
+float finite (`engine.representable`), so nothing that parses can fail on its way to the engine; the error names the
+value's path, e.g. `stop.0` or `messages.1.content`. Tool parameter schemas and `response_format.json_schema.schema`
+must be valid JSON schemas (checked against their meta-schema).
 Every request that parses also builds a valid `SamplingParams`, so the engine's own checks (e.g. `min_tokens` above
 `max_tokens`, an empty stop string) surface as parse errors too. Cross-field checks raise a pydantic error of type
 `invalid_request` whose `ctx["param"]` names the offending field; `validation_error_body` turns any validation error
@@ -32,8 +37,11 @@ from typing import Annotated, Any, Literal, Mapping, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, PlainSerializer, PlainValidator,
                       StrictBool, StrictFloat, StrictInt, StrictStr, Tag, ValidationError, field_validator,
                       model_serializer, model_validator)
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
 from pydantic_core import PydanticCustomError
 
+from ..engine.representable import first_unrepresentable
 from ..engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 
 BAD_REQUEST_TYPE = "BadRequestError"
@@ -56,6 +64,36 @@ def request_error(param: str | None, message: str) -> PydanticCustomError:
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestBody(OpenAIModel):
+    """A request's top-level model: the raw body is checked for values the engine cannot represent first."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _representable(cls, data: Any) -> Any:
+        bad = first_unrepresentable(data)
+        if bad is not None:
+            path, reason = bad
+            raise request_error(path or None, f"{path or 'request body'}: {reason}")
+        return data
+
+
+def _check_json_schema(schema: Json | None) -> Json | None:
+    """A JSON schema that its meta-schema accepts (the draft its `$schema` names, else the latest)."""
+    if schema is None:
+        return None
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        raise PydanticCustomError("invalid_json_schema", "not a valid JSON schema: {reason}",
+                                  {"reason": exc.message}) from None
+    except RecursionError:
+        raise PydanticCustomError("invalid_json_schema", "the JSON schema is nested too deeply") from None
+    return schema
+
+
+JsonSchema = Annotated[Json, AfterValidator(_check_json_schema)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -103,7 +141,7 @@ class FunctionDefinition(OpenAIModel):
     model_config = ConfigDict(extra="allow")
     name: StrictStr
     description: StrictStr | None = None
-    parameters: Json | None = None
+    parameters: JsonSchema | None = None
     strict: StrictBool | None = None
 
 
@@ -134,7 +172,7 @@ class JsonSchemaFormat(OpenAIModel):
     model_config = ConfigDict(extra="ignore", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
     name: StrictStr = "response"
     description: StrictStr | None = None
-    schema_: Json | None = Field(default=None, alias="schema")
+    schema_: JsonSchema | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
 
 
@@ -239,7 +277,7 @@ _NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presenc
             "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
-class _SamplingRequest(OpenAIModel):
+class _SamplingRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: StrictStr | None = None
@@ -430,7 +468,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatPromptOptions):
 
 
 
-class TokenizeRequest(OpenAIModel, ChatPromptOptions):
+class TokenizeRequest(RequestBody, ChatPromptOptions):
     """POST /tokenize: exactly one of `prompt` (text, encoded as /v1/completions encodes it) or `messages` (a chat,
     rendered with the chat fields exactly as /v1/chat/completions renders it)."""
 
@@ -464,7 +502,7 @@ class TokenizeRequest(OpenAIModel, ChatPromptOptions):
         return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: StrictStr | None = None
     tokens: list[TokenId]
 

@@ -12,9 +12,18 @@ from typing import TYPE_CHECKING
 
 from .. import envs
 from ..engine.config import EngineArgs
+from .limits import RequestLimits
 
 if TYPE_CHECKING:
     from .handlers import ServerState
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type for limits: a limit of 0 or below would refuse every request."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +32,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on all but /health")
     parser.add_argument("--served-model-name", action="append", default=None)
-    parser.add_argument("--max-queue-len", type=int, default=256, help="requests in flight before 503")
+    parser.add_argument("--max-queue-len", type=_positive_int, default=256,
+                        help="sequences (every prompt of a request times n) queued or running before 503")
+    parser.add_argument("--max-n", type=_positive_int, default=RequestLimits.max_n,
+                        help="largest n a request may ask for")
+    parser.add_argument("--max-prompts-per-request", type=_positive_int, default=RequestLimits.max_prompts_per_request,
+                        help="most prompts in one completions request's prompt list")
+    parser.add_argument("--max-tokens-per-request", type=_positive_int, default=RequestLimits.max_tokens_per_request,
+                        help="most tokens one request may use: prompt plus max_tokens, summed over its sequences")
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20, help="request bodies above this get 413")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds to drain on SIGTERM; requests still running then get a 503 error")
@@ -52,8 +68,9 @@ def build_state(args: argparse.Namespace) -> "ServerState":
                           max_restarts=args.max_engine_restarts, restart_window_s=args.engine_restart_window)
     metrics = Metrics(cache_config={"block_size": str(engine_args.block_size),
                                     "kv_cache_memory": str(engine_args.kv_cache_memory_bytes)})
+    limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_tokens_per_request)
     return ServerState(client, tokenizer, config, path, names, metrics, args.api_key, args.max_queue_len,
-                       args.max_request_bytes)
+                       args.max_request_bytes, limits=limits)
 
 
 def run_server(args: argparse.Namespace) -> int:
