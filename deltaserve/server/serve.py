@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from .. import envs
 from ..engine.config import EngineArgs
+from .connections import connection_options, positive_int, positive_seconds
 
 if TYPE_CHECKING:
     from .handlers import ServerState
@@ -24,6 +25,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-len", type=int, default=256, help="requests in flight before 503")
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20, help="request bodies above this get 413")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    parser.add_argument("--timeout-header", type=positive_seconds, default=10.0,
+                        help="seconds a connection has to send a complete request head (after opening or a response)")
+    parser.add_argument("--timeout-keep-alive", type=positive_seconds, default=5.0,
+                        help="seconds an idle keep-alive connection stays open after a response")
+    parser.add_argument("--max-connections", type=positive_int, default=1024,
+                        help="open connections at most; at the cap the longest-waiting idle one is closed")
     EngineArgs.add_cli_args(parser)
 
 
@@ -54,5 +61,5 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = build_app(build_state(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=envs.log_level().lower(),
-                timeout_graceful_shutdown=args.shutdown_timeout)
+                timeout_graceful_shutdown=args.shutdown_timeout, **connection_options(args))
     return 0
