@@ -31,12 +31,15 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import resource
 from dataclasses import dataclass
 from typing import Any
 
 import h11
+from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
 
 from ..errors import DeltaserveError
 from .protocol import error_body
@@ -58,10 +61,10 @@ class ConnectionLimitError(DeltaserveError, ValueError):
 
 
 def positive_seconds(text: str) -> float:
-    """argparse type of a timeout flag: a number of seconds > 0."""
+    """argparse type of a timeout flag: a finite number of seconds > 0."""
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
     return value
 
 
@@ -157,7 +160,7 @@ class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol under a `ConnectionRegistry`: admitted (or refused) when made, a header timer armed
     whenever the connection waits for a request head and cancelled when the head is complete."""
 
-    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None, *, registry: ConnectionRegistry):
         super().__init__(config, server_state, app_state, _loop)
         self.registry = registry
@@ -210,6 +213,8 @@ class LimitedH11Protocol(H11Protocol):
     def _head_timed_out(self) -> None:
         self.head_timer = None
         self.registry.wait_ended(self)
+        if self.transport.is_closing():  # closed by uvicorn (keep-alive timeout, shutdown) while still flushing
+            return
         self.registry.report.add(timed_out=1)
         partial_head, _ = self.conn.trailing_data
         if partial_head:
