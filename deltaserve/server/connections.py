@@ -15,7 +15,8 @@ The behaviour (what tests/test_connections.py checks):
   after its response); connections whose request is being read or answered are never closed for it. Only when
   every open connection is busy with a request is the new connection refused (closed at once, before it sends
   anything). Clients that hold connections without sending requests thus lose their own connections first and
-  cannot lock normal clients out.
+  cannot lock normal clients out. A client that sends a head and then stalls its body holds a busy connection:
+  that is bounded by the cap, not by a timeout.
 * **Report**: closures at the cap, refusals and header timeouts are counted and logged at most once per
   `REPORT_INTERVAL_S`, as one line with the counts since the previous line (WARNING when the cap was reached,
   INFO when only header timeouts happened), so a flood of connections cannot flood the log.
