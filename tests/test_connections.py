@@ -4,7 +4,8 @@ requests, and the connection cap (closing the connections waiting longest for a 
 every connection is busy, a few rate-limited log lines, no "Too many open files").
 
 Two servers: `small` (short timeouts, a cap of 50) and `roomy` (defaults but a long header timeout, so that the
-500 slow connections stay open while latency is measured)."""
+500 slow connections stay open while latency is measured); and a flood of connections against the connection layer
+in a child with a low open-file limit."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import re
 import resource
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from deltaserve.server.connections import (FD_RESERVE, REPORT_INTERVAL_S, ConnectionLimitError,
+from deltaserve.server.connections import (ACCEPT_BURSTS, FD_RESERVE, REPORT_INTERVAL_S, ConnectionLimitError,
                                            connection_options, fit_to_open_files, raise_open_file_limit)
 from deltaserve.server.serve import add_cli_args
-from server_utils import run_server, wait_until
+from server_utils import REPO, free_port, run_server, wait_until
 
 COMMON = ("--kv-cache-memory", "64MiB", "--shutdown-timeout", "5")
 HEADER_S = 2.0
@@ -225,12 +228,13 @@ def test_flags_defaults_and_validation():
 
 def test_cap_and_backlog_fit_the_open_file_limit():
     assert fit_to_open_files(1024, 20000) == (1024, 2048)
-    for max_connections, open_files in [(1024, 1024), (100_000, 20000), (50, 400), (1, FD_RESERVE + 3)]:
+    for max_connections, open_files in [(1024, 1024), (100_000, 20000), (50, 400), (1, FD_RESERVE + 5)]:
         cap, backlog = fit_to_open_files(max_connections, open_files)
-        assert 1 <= cap <= max_connections and min(cap, 2048) <= backlog <= 2048, (cap, backlog)
-        assert cap + 2 * backlog + FD_RESERVE <= open_files, (max_connections, open_files, cap, backlog)
-    with pytest.raises(ConnectionLimitError):
-        fit_to_open_files(10, FD_RESERVE + 2)
+        assert 1 <= cap <= max_connections and 1 <= backlog <= 2048, (cap, backlog)
+        assert cap + ACCEPT_BURSTS * backlog + FD_RESERVE <= open_files, (max_connections, open_files, cap, backlog)
+    for open_files in (FD_RESERVE + 2, FD_RESERVE + 4):  # no room for a connection, or for an accept burst
+        with pytest.raises(ConnectionLimitError):
+            fit_to_open_files(10, open_files)
 
 
 def test_connection_options_raise_the_limit_and_lower_the_cap(caplog):
@@ -358,53 +362,14 @@ def test_500_slow_connections_do_not_slow_normal_requests(roomy):
 
 
 # ------------------------------------------------------------------------------------------ connection cap
-def test_cap_closes_waiting_connections_and_keeps_serving(small):
-    fds_before, lines_before, start = settled_fds(small), len(reports(small)), time.monotonic()
-    slow: list[socket.socket] = []
-    normal: list[float] = []
-
-    def open_slow():
-        for i in range(300):  # paced: each new connection closes the longest-waiting one
-            sock = connect(small)
-            sock.sendall(SLOW_HEAD[:20 + i % 40])
-            slow.append(sock)
-            time.sleep(0.01)
-
-    opener = threading.Thread(target=open_slow, daemon=True)
-    opener.start()
-    try:
-        with HealthWatch(small) as watch:
-            while opener.is_alive():
-                normal.append(completion_seconds(small))
-        opener.join()
-        assert len(normal) >= 3 and len(watch.outcomes) >= 3 and all(o == 200 for o in watch.outcomes), \
-            (normal, watch.outcomes)
-        # The cap held: at most SMALL_CAP client connections beside the server's own files. (A moment's count can
-        # be higher: sockets accepted in one burst are counted, and closed, only once their callbacks run.)
-        assert settled_fds(small) <= fds_before + SMALL_CAP, (open_fds(small), fds_before)
-        closed = sum(is_closed(sock) for sock in slow)
-        assert closed >= 300 - SMALL_CAP, closed
-    finally:
-        for sock in slow:
-            sock.close()
-
-    # The closures are reported as counts in a few lines, not one line per connection.
-    assert wait_until(lambda: sum(r[0] for r in reports(small)) >= 300 - SMALL_CAP, REPORT_INTERVAL_S + 5), \
-        reports(small)
-    lines = reports(small)[lines_before:]
-    assert all(r[2] == SMALL_CAP for r in lines), lines
-    assert len(lines) <= 1 + (time.monotonic() - start) / REPORT_INTERVAL_S, lines
-    assert_clean_log(small)
-    assert_pools_intact(small)
+SLOW_COUNT = 250
 
 
-def test_cap_refuses_only_when_every_connection_is_busy(small):
+def refuse_when_all_busy(small) -> None:
     """SMALL_CAP connections whose requests are being read (head sent, body pending) cannot be closed for a new
     one, so the new one is refused at once; when one of them has its answer, the next new connection closes it."""
-    body = json.dumps(COMPLETION).encode()
-    raw = request_bytes("POST", "/v1/completions", body)
+    raw = request_bytes("POST", "/v1/completions", json.dumps(COMPLETION).encode())
     head_end = raw.index(b"\r\n\r\n") + 4
-    refused_before = sum(r[1] for r in reports(small))
     busy = [connect(small) for _ in range(SMALL_CAP)]
     try:
         for sock in busy:
@@ -424,8 +389,132 @@ def test_cap_refuses_only_when_every_connection_is_busy(small):
     finally:
         for sock in busy:
             sock.close()
-    assert wait_until(lambda: sum(r[1] for r in reports(small)) > refused_before, REPORT_INTERVAL_S + 5), \
-        reports(small)
+
+
+def serve_through_slow_connections(small) -> None:
+    """SLOW_COUNT connections that send part of a head and stay, opened one by one while normal requests and
+    /health go on: each new connection closes the longest-waiting one, and no normal request fails."""
+    fds_before = settled_fds(small)
+    slow: list[socket.socket] = []
+    normal: list[float] = []
+
+    def open_slow():
+        for i in range(SLOW_COUNT):
+            sock = connect(small)
+            sock.sendall(SLOW_HEAD[:20 + i % 40])
+            slow.append(sock)
+            time.sleep(0.01)
+
+    opener = threading.Thread(target=open_slow, daemon=True)
+    opener.start()
+    try:
+        with HealthWatch(small) as watch:
+            while opener.is_alive():
+                normal.append(completion_seconds(small))
+        opener.join()
+        assert len(normal) >= 3 and len(watch.outcomes) >= 3 and all(o == 200 for o in watch.outcomes), \
+            (normal, watch.outcomes)
+        # The cap held: at most SMALL_CAP client connections beside the server's own files. (A moment's count can
+        # be higher: sockets accepted in one burst are counted, and closed, only once their callbacks run.)
+        assert settled_fds(small) <= fds_before + SMALL_CAP, (open_fds(small), fds_before)
+        assert sum(is_closed(sock) for sock in slow) >= SLOW_COUNT - SMALL_CAP
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def test_connection_cap(small):
+    lines_before, start = len(reports(small)), time.monotonic()
+    refuse_when_all_busy(small)
+    serve_through_slow_connections(small)
+
+    # The closures and the refusal are reported as counts in a few lines, not one line per connection.
+    def counted():
+        lines = reports(small)[lines_before:]
+        return sum(r[0] for r in lines) >= SLOW_COUNT - SMALL_CAP and sum(r[1] for r in lines) >= 1
+    assert wait_until(counted, REPORT_INTERVAL_S + 5), reports(small)
+    lines = reports(small)[lines_before:]
+    assert all(r[2] == SMALL_CAP for r in lines), lines
+    assert len(lines) <= 1 + (time.monotonic() - start) / REPORT_INTERVAL_S, lines
     completion_seconds(small)
     assert_clean_log(small)
     assert_pools_intact(small)
+
+
+# --------------------------------------------------------------------------- a flood under a low open-file limit
+# The connection layer alone (uvicorn + connection_options, as run_server passes them) around a one-line ASGI app,
+# in a child whose hard open-file limit is 1024: there the cap and the backlog must be fitted under the limit.
+FLOOD_SERVER = """
+import argparse, logging, sys
+import uvicorn
+from deltaserve.server.connections import connection_options
+from deltaserve.server.serve import add_cli_args
+
+async def app(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+parser = argparse.ArgumentParser()
+add_cli_args(parser)
+options = connection_options(parser.parse_args(["--max-connections", "5000"]))
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", lifespan="off", **options)
+"""
+FLOOD_NOFILE = 1024
+
+
+def test_flood_stays_under_a_low_open_file_limit(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "flood.log"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", FLOOD_SERVER, str(port)], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=lambda: resource.setrlimit(
+                                    resource.RLIMIT_NOFILE, (FLOOD_NOFILE, FLOOD_NOFILE)))
+    url = f"http://127.0.0.1:{port}/"
+    cap, _ = fit_to_open_files(5000, FLOOD_NOFILE)
+    flood: list[socket.socket] = []
+    try:
+        def up():
+            assert proc.poll() is None, log_path.read_text(errors="replace")
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(url, timeout=2).status_code == 200
+        assert wait_until(up, 120, 0.2), log_path.read_text(errors="replace")
+        peak, stop = [0], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                with contextlib.suppress(OSError):
+                    peak[0] = max(peak[0], len(os.listdir(f"/proc/{proc.pid}/fd")))
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        for _ in range(2500):  # as fast as connect() goes: accept bursts, SYN queue overflow and retries
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", port))
+            flood.append(sock)
+        time.sleep(2)
+        for sock in flood:
+            with contextlib.suppress(OSError):
+                sock.send(SLOW_HEAD[:20])
+        for _ in range(10):
+            assert httpx.get(url, timeout=10).status_code == 200
+        stop.set()
+        watcher.join(10)
+        assert peak[0] < FLOOD_NOFILE, peak
+
+        def closed_at_cap():
+            return sum(int(m.group(1)) for m in REPORT.finditer(log_path.read_text(errors="replace")))
+        assert wait_until(lambda: closed_at_cap() >= len(flood) - cap, REPORT_INTERVAL_S + 5), closed_at_cap()
+    finally:
+        for sock in flood:
+            sock.close()
+        proc.terminate()
+        proc.wait(20)
+    text = log_path.read_text(errors="replace")
+    assert f"--max-connections 5000 lowered to {cap}" in text, text
+    for sign in ("Too many open files", "Traceback"):
+        assert sign not in text, text[-6000:]

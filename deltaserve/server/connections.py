@@ -53,6 +53,8 @@ REPORT_INTERVAL_S = 5.0
 FD_RESERVE = 256
 # uvicorn's default listen backlog; asyncio accepts up to `backlog` sockets per wake-up.
 DEFAULT_BACKLOG = 2048
+# Accept bursts that can be open beyond the cap before the connections they displace are gone (`fit_to_open_files`).
+ACCEPT_BURSTS = 4
 # The soft limit asked for when the hard one is unlimited (Linux refuses more than fs.nr_open, 1 Mi by default).
 UNLIMITED_NOFILE_TARGET = 1 << 20
 
@@ -256,16 +258,18 @@ def raise_open_file_limit() -> int:
 def fit_to_open_files(max_connections: int, open_files: int) -> tuple[int, int]:
     """(connections cap, listen backlog) that fit in `open_files` descriptors.
 
-    A socket is counted against the cap only when its `connection_made` runs, and its descriptor is freed a loop
-    turn after it is closed, while asyncio accepts up to `backlog` sockets at each wake-up of the listener: up to
-    two such bursts can be open beyond the cap. So cap + 2 * backlog + FD_RESERVE <= open_files, with the cap
-    taking at most a third of the room and the backlog (never above uvicorn's default) the rest."""
+    asyncio accepts up to `backlog` sockets at each wake-up of the listener, but a socket is counted against the cap
+    only two loop turns later (its transport is built in a task, then `connection_made` is scheduled), and the
+    connection it displaces frees its descriptor a turn after that. Under a flood, up to ACCEPT_BURSTS bursts are
+    open beyond the cap, so cap + ACCEPT_BURSTS * backlog + FD_RESERVE <= open_files, with the cap taking at most a
+    third of the room and the backlog (never above uvicorn's default) the rest."""
     room = open_files - FD_RESERVE
     cap = min(max_connections, room // 3)
-    if cap < 1:
+    backlog = min(DEFAULT_BACKLOG, (room - cap) // ACCEPT_BURSTS)
+    if cap < 1 or backlog < 1:
         raise ConnectionLimitError(f"the open-file limit ({open_files}) leaves no room for client connections: "
                                    f"{FD_RESERVE} descriptors are kept for the server itself")
-    return cap, min(DEFAULT_BACKLOG, (room - cap) // 2)
+    return cap, backlog
 
 
 def connection_options(args: argparse.Namespace) -> dict[str, Any]:
