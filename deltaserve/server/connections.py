@@ -284,4 +284,4 @@ def connection_options(args: argparse.Namespace) -> dict[str, Any]:
                     open_files)
     limits = ConnectionLimits(args.timeout_header, args.timeout_keep_alive, cap)
     protocol = functools.partial(LimitedH11Protocol, registry=ConnectionRegistry(limits))
-    return {"http": protocol, "ws": "none", "timeout_keep_alive": args.timeout_keep_alive, "backlog": backlog}
+    return {"http": protocol, "ws": "none", "timeout_keep_alive": limits.timeout_keep_alive, "backlog": backlog}
