@@ -6,23 +6,33 @@ which the server exits with status 1)."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
 from .. import envs
 from ..engine.config import EngineArgs
+from .connections import connection_options
 from .limits import RequestLimits
 
 if TYPE_CHECKING:
     from .handlers import ServerState
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type for limits: a limit of 0 or below would refuse every request."""
+def positive_int(text: str) -> int:
+    """argparse type of a limit or count: an integer >= 1 (a limit of 0 would refuse every request)."""
     value = int(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type of a timeout flag: a finite number of seconds > 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
     return value
 
 
@@ -32,13 +42,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on all but /health")
     parser.add_argument("--served-model-name", action="append", default=None)
-    parser.add_argument("--max-queue-len", type=_positive_int, default=256,
+    parser.add_argument("--max-queue-len", type=positive_int, default=256,
                         help="sequences (every prompt of a request times n) queued or running before 503")
-    parser.add_argument("--max-n", type=_positive_int, default=RequestLimits.max_n,
+    parser.add_argument("--max-n", type=positive_int, default=RequestLimits.max_n,
                         help="largest n a request may ask for")
-    parser.add_argument("--max-prompts-per-request", type=_positive_int, default=RequestLimits.max_prompts_per_request,
+    parser.add_argument("--max-prompts-per-request", type=positive_int, default=RequestLimits.max_prompts_per_request,
                         help="most prompts in one completions request's prompt list")
-    parser.add_argument("--max-tokens-per-request", type=_positive_int, default=RequestLimits.max_tokens_per_request,
+    parser.add_argument("--max-tokens-per-request", type=positive_int, default=RequestLimits.max_tokens_per_request,
                         help="most tokens one request may use: prompt plus max_tokens, summed over its sequences")
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20, help="request bodies above this get 413")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -48,6 +58,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "more death makes the server exit with status 1 (0: exit at the first)")
     parser.add_argument("--engine-restart-window", type=float, default=600.0,
                         help="seconds over which --max-engine-restarts is counted")
+    parser.add_argument("--timeout-header", type=positive_seconds, default=10.0,
+                        help="seconds a connection has to send a complete request head (after opening or a response)")
+    parser.add_argument("--timeout-keep-alive", type=positive_seconds, default=5.0,
+                        help="seconds an idle keep-alive connection stays open after a response")
+    parser.add_argument("--max-connections", type=positive_int, default=1024,
+                        help="open connections at most; at the cap the longest-waiting idle one is closed")
     EngineArgs.add_cli_args(parser)
 
 
@@ -82,7 +98,8 @@ def run_server(args: argparse.Namespace) -> int:
     from .lifecycle import DeltaserveServer
 
     state = build_state(args)
-    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=envs.log_level().lower())
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=envs.log_level().lower(),
+                            **connection_options(args))
     server = DeltaserveServer(config, state.engine, drain_s=args.shutdown_timeout)
     server.run()
     return server.exit_code if server.started else uvicorn.config.STARTUP_FAILURE
