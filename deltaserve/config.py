@@ -1,6 +1,6 @@
 """ModelConfig: one normalised view of the config.json of every supported family.
 
-Families (routed on the top-level `model_type`, never on `text_config` alone, spec model.md §1):
+Families (routed on the top-level `model_type`, never on `text_config` alone, spec docs/model.md §1):
   kimi_k3      K3, or K3.1 Pro when a `dsa_config` block and indexer tensors are present
   kimi_linear  Kimi-Linear (KDA + NoPE MLA + MoE)
   deepseek_v3  MLA with RoPE/YaRN + grouped noaux_tc MoE
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 FAMILIES = ("kimi_k3", "kimi_linear", "deepseek_v3", "deepseek_v32")
 
-# dsa_config spellings (model.md §2.4): first match wins.
+# dsa_config spellings (docs/model.md §2.4): first match wins.
 _DSA_HEADS = ("index_n_heads", "n_heads", "num_heads", "head_count", "index_head_count", "num_index_heads")
 _DSA_HEAD_DIM = ("index_head_dim", "head_dim", "key_length", "index_key_length")
 _DSA_TOPK = ("index_topk", "topk", "top_k", "index_top_k", "num_selected_tokens")
@@ -30,7 +30,7 @@ _DSA_ROPE = ("rope_head_dim", "qk_rope_head_dim", "use_rope", "rope")
 _DSA_SHARE = ("index_share", "shared", "skip_topk", "use_index_cache")
 _DSA_CACHE_DTYPE = ("indexer_kv_dtype", "index_k_dtype")
 
-# HF attribute_map aliases of KimiLinearConfig and DeepSeek spellings (model.md §2.6).
+# HF attribute_map aliases of KimiLinearConfig and DeepSeek spellings (docs/model.md §2.6).
 _ALIASES = {
     "num_experts": ("num_experts", "n_routed_experts", "num_local_experts"),
     "num_experts_per_token": ("num_experts_per_token", "num_experts_per_tok"),
@@ -69,7 +69,7 @@ class ModelConfig:
     v_head_dim: int
     mla_use_nope: bool
     mla_use_output_gate: bool
-    mla_norm_eps: float  # eps of q_a_layernorm / kv_a_layernorm (model.md §16: HF reference uses 1e-6)
+    mla_norm_eps: float  # eps of q_a_layernorm / kv_a_layernorm (docs/model.md §16: HF reference uses 1e-6)
     rope_theta: float
     rope_scaling: dict | None
     # FFN
@@ -117,7 +117,7 @@ class ModelConfig:
     quantization_config: dict | None
     raw: dict = field(repr=False, default_factory=dict)
 
-    # ---- derived plan (model.md §2.7) ----
+    # ---- derived plan (docs/model.md §2.7) ----
     @property
     def is_k31(self) -> bool:
         return self.family == "kimi_k3" and bool(self.dsa_layers)
@@ -160,7 +160,7 @@ class ModelConfig:
     def from_dict(cls, config: Mapping[str, Any], tensor_names: set[str] | None = None,
                   tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> "ModelConfig":
         """Normalise a config.json dict. `tensor_shapes` (checkpoint names -> shapes), when given, is used for the
-        K3.1 signals and indexer geometry (model.md §2.4); without tensors the config alone decides (as when
+        K3.1 signals and indexer geometry (docs/model.md §2.4); without tensors the config alone decides (as when
         writing a new checkpoint). Raises ConfigError naming the offending key."""
         shapes = dict(tensor_shapes or {})
         names = None if tensor_names is None and tensor_shapes is None else set(tensor_names or shapes.keys())

@@ -1,4 +1,4 @@
-"""Kimi tiktoken tokenizer (chat.md §1): ``tiktoken.model`` BPE ranks + 256 special ids from ``tokenizer_config.json``.
+"""Kimi tiktoken tokenizer (docs/chat.md §1): ``tiktoken.model`` BPE ranks + 256 special ids from ``tokenizer_config.json``.
 
 Contract:
 * ids ``0 .. num_bpe_ranks-1`` are BPE tokens, ``num_bpe_ranks .. num_bpe_ranks+255`` are specials; named ones come
@@ -23,7 +23,7 @@ import tiktoken
 
 from deltaserve.errors import DeltaserveError
 
-# The split regex of tokenization_kimi.py, verbatim (chat.md §1.4). `&&` is class intersection, which fancy-regex
+# The split regex of tokenization_kimi.py, verbatim (docs/chat.md §1.4). `&&` is class intersection, which fancy-regex
 # (tiktoken's engine) understands; Python's `re` does not, so never compile this with `re`.
 KIMI_PAT_STR: str = "|".join(
     [
@@ -56,7 +56,7 @@ def reserved_token_name(token_id: int) -> str:
 
 
 def split_for_encoding(text: str) -> Iterator[str]:
-    """Yield the pieces the reference encodes independently (chat.md §1.5).
+    """Yield the pieces the reference encodes independently (docs/chat.md §1.5).
 
     Cut into 400,000-char chunks; inside each, a run of whitespace or of non-whitespace longer than 25,000 chars
     is cut every 25,000 chars (the counter restarts when the whitespace class flips). Always yields at least once.

@@ -9,7 +9,7 @@ from deltaserve.tools.presets import get_preset
 
 @pytest.fixture(scope="session", autouse=True)
 def _fixed_threads():
-    # CPU results are deterministic for a fixed thread count (oracles.md §1).
+    # CPU results are deterministic for a fixed thread count (docs/oracles.md §1).
     torch.set_num_threads(2)
     torch.set_default_dtype(torch.float32)
 

@@ -1,13 +1,13 @@
 """Independent fp32 reference of the Kimi K3 / K3.1 Pro text model, written from the spec formulas
-(model.md §3–§13, oracles.md §2, §7, §8) and the checkpoint tensors alone.
+(docs/model.md §3–§13, docs/oracles.md §2, §7, §8) and the checkpoint tensors alone.
 
 Nothing here imports deltaserve. Tensors are read with `safetensors.safe_open`, the config with `json`.
 
 Pieces:
-* KDA core: FLA's `naive_recurrent_kda` loaded by file path (oracles.md §2); short conv, K3 lower-bound gate,
-  β, L2 norm and the gated output norm (full-rank `g_proj`) by hand (model.md §8).
-* NoPE gated MLA in the expanded form (model.md §9.1–9.2), q_a/kv_a norms with eps 1e-6 (model.md §16), and the
-  K3.1 lightning indexer (model.md §9.4–9.5: no RoPE, LayerNorm k_norm with eps = rms_norm_eps, weights × H_I^-1/2,
+* KDA core: FLA's `naive_recurrent_kda` loaded by file path (docs/oracles.md §2); short conv, K3 lower-bound gate,
+  β, L2 norm and the gated output norm (full-rank `g_proj`) by hand (docs/model.md §8).
+* NoPE gated MLA in the expanded form (docs/model.md §9.1–9.2), q_a/kv_a norms with eps 1e-6 (docs/model.md §16), and the
+  K3.1 lightning indexer (docs/model.md §9.4–9.5: no RoPE, LayerNorm k_norm with eps = rms_norm_eps, weights × H_I^-1/2,
   scores × D_I^-1/2, score desc then larger position first, all candidates when n_t ≤ top-k) applied as an
   additive mask over positions 0..t.
 * AttnRes: the §5.3 loop with Mix of §5.2.
@@ -29,7 +29,7 @@ _FLA_NAIVE: ModuleType | None = None
 
 
 def load_fla_naive_kda() -> ModuleType:
-    """`fla/ops/kda/naive.py` executed on its own: importing the `fla` package needs triton (oracles.md §2)."""
+    """`fla/ops/kda/naive.py` executed on its own: importing the `fla` package needs triton (docs/oracles.md §2)."""
     global _FLA_NAIVE
     if _FLA_NAIVE is None:
         spec = importlib.util.find_spec("fla")  # locates the package without executing its __init__
@@ -47,7 +47,7 @@ def load_fla_naive_kda() -> ModuleType:
 # formula helpers (fp32)
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """model.md §3: w ⊙ x·rsqrt(mean(x²)+ε) over the last dim."""
+    """docs/model.md §3: w ⊙ x·rsqrt(mean(x²)+ε) over the last dim."""
     x = x.float()
     return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -61,7 +61,7 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) ->
 
 
 def situ(g: torch.Tensor, u: torch.Tensor, beta: float, beta_lin: float | None) -> torch.Tensor:
-    """model.md §6: [β·tanh(g/β)·σ(g)] · [β_lin·tanh(u/β_lin)] (up branch identity when β_lin is None)."""
+    """docs/model.md §6: [β·tanh(g/β)·σ(g)] · [β_lin·tanh(u/β_lin)] (up branch identity when β_lin is None)."""
     gate = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     up = u if beta_lin is None else beta_lin * torch.tanh(u / beta_lin)
     return gate * up
@@ -69,7 +69,7 @@ def situ(g: torch.Tensor, u: torch.Tensor, beta: float, beta_lin: float | None) 
 
 def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_w: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """model.md §5.2 for sources [N, d]: c = g⊙q, s_i = rsqrt(mean(V_i²)+ε)·(V_i·c), α = softmax_i(s),
+    """docs/model.md §5.2 for sources [N, d]: c = g⊙q, s_i = rsqrt(mean(V_i²)+ε)·(V_i·c), α = softmax_i(s),
     Mix = Σ α_i V_i (raw values). One source returns it unchanged."""
     if len(sources) == 1:
         return sources[0]
@@ -86,7 +86,7 @@ def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, norm_w: torch
 
 
 def hand_topk(row: list[float], n_valid: int, topk: int) -> list[int]:
-    """model.md §9.5 for one query row: all candidates 0..n_valid-1 if n_valid ≤ topk, else the topk largest
+    """docs/model.md §9.5 for one query row: all candidates 0..n_valid-1 if n_valid ≤ topk, else the topk largest
     with ties broken by larger position first (+0.0 == −0.0)."""
     cand = list(range(n_valid))
     if n_valid <= topk:
@@ -95,7 +95,7 @@ def hand_topk(row: list[float], n_valid: int, topk: int) -> list[int]:
 
 
 def short_conv_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """model.md §8.2: y_t[c] = SiLU(Σ_j w[c, j]·x_{t−W+1+j}[c]), zero before the sequence start. w [P, 1, W]."""
+    """docs/model.md §8.2: y_t[c] = SiLU(Σ_j w[c, j]·x_{t−W+1+j}[c]), zero before the sequence start. w [P, 1, W]."""
     w = w.float().reshape(w.shape[0], -1)
     T, W = x.shape[0], w.shape[1]
     y = torch.zeros_like(x, dtype=torch.float32)
@@ -108,7 +108,7 @@ def short_conv_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def l2_norm_heads(x: torch.Tensor) -> torch.Tensor:
-    """model.md §8.4: x·rsqrt(Σ_c x² + 1e-6) per head (eps inside the sqrt)."""
+    """docs/model.md §8.4: x·rsqrt(Σ_c x² + 1e-6) per head (eps inside the sqrt)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
 
@@ -141,7 +141,7 @@ class K3Reference:
     diagonal) and the selected position lists per row.
     """
 
-    MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (model.md §9.1, §16 default)
+    MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (docs/model.md §9.1, §16 default)
 
     def __init__(self, path: Path, use_indexer: bool = True):
         self.config, self.w = read_checkpoint(path)
@@ -180,7 +180,7 @@ class K3Reference:
     def lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return x.float() @ self.w[name].t()
 
-    # ---- KDA (model.md §8) -----------------------------------------------------------------------------------
+    # ---- KDA (docs/model.md §8) -----------------------------------------------------------------------------------
     def kda(self, l: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{l}.self_attn."
         T, H, K = x.shape[0], self.H_k, self.K
@@ -211,7 +211,7 @@ class K3Reference:
         o, _ = fla.naive_recurrent_kda(q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5)
         return o[0].float()
 
-    # ---- MLA / DSA (model.md §9) -----------------------------------------------------------------------------
+    # ---- MLA / DSA (docs/model.md §9) -----------------------------------------------------------------------------
     def mla(self, l: int, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         p = f"model.layers.{l}.self_attn."
         T, H, n, rho, vd, r = x.shape[0], self.H, self.n, self.rho, self.v, self.r
@@ -242,7 +242,7 @@ class K3Reference:
         return self.lin(o, p + "o_proj.weight")
 
     def indexer_qkw(self, l: int, x: torch.Tensor, c_q: torch.Tensor):
-        """model.md §9.4 (K3.1): q_I = wq_b(c_q) [T, H_I, D_I], k_I = LayerNorm(wk x) with ε = rms_norm_eps,
+        """docs/model.md §9.4 (K3.1): q_I = wq_b(c_q) [T, H_I, D_I], k_I = LayerNorm(wk x) with ε = rms_norm_eps,
         w = weights_proj(x)·H_I^-1/2."""
         p = f"model.layers.{l}.self_attn.indexer."
         T = x.shape[0]
@@ -276,7 +276,7 @@ class K3Reference:
                                  "positions": pos.clone()}
         return mask
 
-    # ---- FFN (model.md §6, §10, §11) ---------------------------------------------------------------------------
+    # ---- FFN (docs/model.md §6, §10, §11) ---------------------------------------------------------------------------
     def dense_mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         g = self.lin(x, prefix + "gate_proj.weight")
         u = self.lin(x, prefix + "up_proj.weight")
@@ -284,7 +284,7 @@ class K3Reference:
 
     def route(self, l: int, x_t: torch.Tensor, rsf: float | None = None,
               bias: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
-        """model.md §10 for one token: s = σ(W x), select top-k of s + bias by (score desc, id asc), weights from
+        """docs/model.md §10 for one token: s = σ(W x), select top-k of s + bias by (score desc, id asc), weights from
         the unbiased s, renormalised (+1e-20), times routed_scaling_factor."""
         p = f"model.layers.{l}.block_sparse_moe.gate."
         s = torch.sigmoid(self.t(p + "weight") @ x_t.float())
@@ -299,7 +299,7 @@ class K3Reference:
         return idx, [wi * f for wi in w]
 
     def moe(self, l: int, x: torch.Tensor, rsf: float | None = None) -> torch.Tensor:
-        """model.md §11.1, one token and one selected expert at a time (reference order)."""
+        """docs/model.md §11.1, one token and one selected expert at a time (reference order)."""
         p = f"model.layers.{l}.block_sparse_moe."
         out = torch.zeros(x.shape[0], self.d)
         for t in range(x.shape[0]):
@@ -361,7 +361,7 @@ class K3Reference:
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.logits_from_hidden(self.hidden(ids))
 
-    # ---- MTP (model.md §13) ------------------------------------------------------------------------------------
+    # ---- MTP (docs/model.md §13) ------------------------------------------------------------------------------------
     @torch.no_grad()
     def mtp_step(self, ids: torch.Tensor, h_prev: torch.Tensor, positions: torch.Tensor,
                  j: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

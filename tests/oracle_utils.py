@@ -1,9 +1,9 @@
-"""Helpers for the pip-oracle tests (spec oracles.md §2–§4).
+"""Helpers for the pip-oracle tests (spec docs/oracles.md §2–§4).
 
-* `randomize_` — the weight randomisation of oracles.md §3.1 (default HF init hides bugs).
-* Tiny configs of oracles.md §3.2/§3.3 (`kimi_linear_config`, `deepseek_v3_config`, `deepseek_v32_config`) and
+* `randomize_` — the weight randomisation of docs/oracles.md §3.1 (default HF init hides bugs).
+* Tiny configs of docs/oracles.md §3.2/§3.3 (`kimi_linear_config`, `deepseek_v3_config`, `deepseek_v32_config`) and
   `build_hf` to instantiate one in fp32 / eager / eval.
-* `capture_indexer_scores` / `dsa_tie_rows` / `find_tie_free_seed` — the DSA tie detector of oracles.md §4: the HF
+* `capture_indexer_scores` / `dsa_tie_rows` / `find_tie_free_seed` — the DSA tie detector of docs/oracles.md §4: the HF
   indexer's top-k input rows are captured by wrapping `torch.Tensor.topk` while (and only while) a
   `DeepseekV32Indexer.forward` runs; seeds whose rows have `|s_(k) − s_(k+1)| < 1e-4 · row scale` among causally
   valid keys are rejected.
@@ -22,11 +22,11 @@ from typing import Callable, Iterator
 
 import torch
 
-TIE_REL_GAP = 1e-4  # oracles.md §4 rule 2
+TIE_REL_GAP = 1e-4  # docs/oracles.md §4 rule 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# weight randomisation (oracles.md §3.1)
+# weight randomisation (docs/oracles.md §3.1)
 
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -52,10 +52,10 @@ def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# tiny configs (oracles.md §3.2, §3.3)
+# tiny configs (docs/oracles.md §3.2, §3.3)
 
 def kimi_linear_config(q_lora_rank: int | None = None, **overrides):
-    """oracles.md §3.2: 4 layers, KDA at 1-based 1–3, NoPE MLA at 4, dense layer 0, MoE 8×top-2 + 1 shared."""
+    """docs/oracles.md §3.2: 4 layers, KDA at 1-based 1–3, NoPE MLA at 4, dense layer 0, MoE 8×top-2 + 1 shared."""
     from transformers import KimiLinearConfig
 
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -83,7 +83,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_ma
 
 
 def deepseek_v3_config(yarn: bool = False, **overrides):
-    """oracles.md §3.3: 3 layers, MLA q_lora 48, pair-interleaved RoPE (optionally YaRN), 4 groups / top-2 groups."""
+    """docs/oracles.md §3.3: 3 layers, MLA q_lora 48, pair-interleaved RoPE (optionally YaRN), 4 groups / top-2 groups."""
     from transformers import DeepseekV3Config
 
     kw = dict(_DEEPSEEK, rope_interleave=True)
@@ -94,7 +94,7 @@ def deepseek_v3_config(yarn: bool = False, **overrides):
 
 
 def deepseek_v32_config(index_topk: int = 6, index_n_heads: int = 8, **overrides):
-    """oracles.md §3.3 V3.2: adds the lightning indexer (8 index heads × 16, top-k 6 < T)."""
+    """docs/oracles.md §3.3 V3.2: adds the lightning indexer (8 index heads × 16, top-k 6 < T)."""
     from transformers import DeepseekV32Config
 
     kw = dict(_DEEPSEEK, index_topk=index_topk, index_head_dim=16, index_n_heads=index_n_heads)
@@ -125,7 +125,7 @@ def hf_logits(model: torch.nn.Module, ids: torch.Tensor, position_offset: int = 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# DSA tie detector (oracles.md §4)
+# DSA tie detector (docs/oracles.md §4)
 
 @contextlib.contextmanager
 def capture_indexer_scores(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
@@ -206,7 +206,7 @@ def find_tie_free_seed(build: Callable[[int], torch.nn.Module], ids_for: Callabl
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# FLA naive KDA (oracles.md §2)
+# FLA naive KDA (docs/oracles.md §2)
 
 def load_fla_naive() -> ModuleType:
     """`fla/ops/kda/naive.py` executed on its own (importing the `fla` package needs triton). Provides

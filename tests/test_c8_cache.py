@@ -1,4 +1,4 @@
-"""The C8 (8-bit) KV cache, `--kv-cache-dtype int8|fp8` (ops.md §9): byte layout of the latent pages, what only
+"""The C8 (8-bit) KV cache, `--kv-cache-dtype int8|fp8` (docs/ops.md §9): byte layout of the latent pages, what only
 the touched rows cost, the memory accounting, and greedy agreement with the model-dtype cache."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _config(preset: str) -> ModelConfig:
 
 
 def test_bytes_per_token_at_k31_pro_shapes():
-    """ops.md §9: 1152 -> 656 bytes a token per MLA/DSA layer, 256 -> 132 per DSA layer's indexer key (bf16)."""
+    """docs/ops.md §9: 1152 -> 656 bytes a token per MLA/DSA layer, 256 -> 132 per DSA layer's indexer key (bf16)."""
     c = _config("k31-pro")
     assert c8_row_bytes(c, torch.bfloat16) == 656
     n_mla, n_dsa = len(c.mla_layers), len(c.dsa_layers)

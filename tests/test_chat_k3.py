@@ -1,4 +1,4 @@
-"""K3 XTML chat renderer (chat.md §3.1–3.3, worked example §3.8) and the K2 Jinja path (§4), generated tokenizers.
+"""K3 XTML chat renderer (docs/chat.md §3.1–3.3, worked example §3.8) and the K2 Jinja path (§4), generated tokenizers.
 
 Expected prompts are written out byte for byte; `xtml_ids` re-derives the ids from such a string by encoding the
 text between markers with specials disallowed, so each test checks the exact ids, not only the decoded text.
@@ -77,7 +77,7 @@ def test_markers_are_single_special_ids(tok):
     ids = {name: tok.token_to_id(name) for name in MARKERS}
     assert all(tok.is_special(i) for i in ids.values())
     assert len(set(ids.values())) == 4
-    # Real layout offsets (chat.md §1.3): end_of_msg, open, close, sep are 163586..163589.
+    # Real layout offsets (docs/chat.md §1.3): end_of_msg, open, close, sep are 163586..163589.
     assert [ids[n] - tok.num_bpe_ranks for n in ("<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>")] == [2, 3, 4, 5]
 
 

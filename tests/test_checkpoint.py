@@ -134,7 +134,7 @@ def test_mxfp4_experts_load_packed(make_checkpoint):
     assert np.array_equal(got.double().numpy(), want)
     ref = dense.layers[2].ffn.experts.w1[3]
     sqnr = 10 * torch.log10(ref.pow(2).sum() / (ref - got).pow(2).sum()).item()
-    assert 15 < sqnr < 25  # E2M1 on gaussian weights is ~18.8 dB (oracles.md §6)
+    assert 15 < sqnr < 25  # E2M1 on gaussian weights is ~18.8 dB (docs/oracles.md §6)
     # everything that is not a routed expert is unquantised and identical
     assert torch.equal(mx.layers[2].ffn.routed_expert_down_proj.weight, dense.layers[2].ffn.routed_expert_down_proj.weight)
 
@@ -231,7 +231,7 @@ def test_tied_embeddings_without_lm_head(make_checkpoint, tmp_path):
 
 
 def test_transformers_style_fused_tensors_load(make_checkpoint, tmp_path):
-    """transformers' renames: forget_gate.*, concatenated conv1d, fused expert tensors (oracles.md §3.2)."""
+    """transformers' renames: forget_gate.*, concatenated conv1d, fused expert tensors (docs/oracles.md §3.2)."""
     path = _copy(make_checkpoint("kimi-linear-tiny"), tmp_path / "hf")
 
     def fuse(t):
@@ -289,7 +289,7 @@ def test_config_errors_name_the_key():
 
 
 def _k31_pro_counts_by_hand() -> tuple[int, int]:
-    """Parameter counts of K3.1 Pro from model.md §14-15 dimensions, written out independently of the code."""
+    """Parameter counts of K3.1 Pro from docs/model.md §14-15 dimensions, written out independently of the code."""
     d, V, L, H = 7168, 163840, 93, 96
     kda_layers, mla_layers = 69, 24
     P, Kd, W = 96 * 128, 128, 4

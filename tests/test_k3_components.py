@@ -1,9 +1,9 @@
-"""Per-component hand checks of the K3 / K3.1 pieces that have no pip oracle (oracles.md §7), fp32.
+"""Per-component hand checks of the K3 / K3.1 pieces that have no pip oracle (docs/oracles.md §7), fp32.
 
 Each check compares deltaserve's op or module (used as a black box) with a hand-written transcription of the spec
-formula from tests/k3_reference.py (which never imports deltaserve), plus the properties of oracles.md §7:
-AttnRes (§7.1, model.md §5), SiTU (§7.2, model.md §6), router + latent MoE (§7.3, model.md §10–11), gated MLA
-(§7.4, model.md §9.2), KDA with the K3 gates (§7.5, model.md §8) and the K3.1 indexer (§7.7, model.md §9.4–9.5).
+formula from tests/k3_reference.py (which never imports deltaserve), plus the properties of docs/oracles.md §7:
+AttnRes (§7.1, docs/model.md §5), SiTU (§7.2, docs/model.md §6), router + latent MoE (§7.3, docs/model.md §10–11), gated MLA
+(§7.4, docs/model.md §9.2), KDA with the K3 gates (§7.5, docs/model.md §8) and the K3.1 indexer (§7.7, docs/model.md §9.4–9.5).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # =================================================================================================================
-# AttnRes (model.md §5, oracles.md §7.1)
+# AttnRes (docs/model.md §5, docs/oracles.md §7.1)
 
 def _sources(n: int, N: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -163,7 +163,7 @@ def test_attn_res_bank_sizes_k3_pro(k31, source):
     k31-pro preset's config, and the loaded tiny model's config re-dimensioned to L = 93, S = 12."""
     if source == "k31-pro preset":
         config = ModelConfig.from_dict(get_preset("k31-pro").config)
-        assert not any(config.attnres_write(l) for l in config.mla_layers)  # model.md §2.7 K3 consequence
+        assert not any(config.attnres_write(l) for l in config.mla_layers)  # docs/model.md §2.7 K3 consequence
     else:
         config = dataclasses.replace(k31[0].config, num_layers=93, attn_res_block_size=12)
     assert config.num_layers == 93 and config.attn_res_block_size == 12
@@ -269,7 +269,7 @@ def test_attn_res_stack_matches_section_5_3_loop(k31):
 
 
 # =================================================================================================================
-# SiTU (model.md §6, oracles.md §7.2)
+# SiTU (docs/model.md §6, docs/oracles.md §7.2)
 
 def _situ64(g: torch.Tensor, u: torch.Tensor, beta: float, beta_lin: float | None) -> torch.Tensor:
     g, u = g.double(), u.double()
@@ -323,7 +323,7 @@ def test_dense_situ_mlp_matches_hand(k31):
 
 
 # =================================================================================================================
-# Router and latent MoE (model.md §10–11, oracles.md §7.3)
+# Router and latent MoE (docs/model.md §10–11, docs/oracles.md §7.3)
 
 def _moe_layers(model) -> list[tuple[int, torch.nn.Module]]:
     L = model.config.num_layers
@@ -420,7 +420,7 @@ def test_latent_moe_matches_explicit_loop(k31):
 
 
 def test_latent_moe_invariant_to_routed_scaling_factor(k31):
-    """rsf is applied once, before the latent RMSNorm, which cancels it up to eps (model.md §11.1)."""
+    """rsf is applied once, before the latent RMSNorm, which cancels it up to eps (docs/model.md §11.1)."""
     model, ref = k31
     x = _randn(T, D, seed=21, scale=1.5)
     for l, ffn in _moe_layers(model)[:2]:
@@ -440,7 +440,7 @@ def test_latent_moe_invariant_to_routed_scaling_factor(k31):
 
 
 # =================================================================================================================
-# Gated MLA and the K3.1 indexer (model.md §9, oracles.md §7.4, §7.7)
+# Gated MLA and the K3.1 indexer (docs/model.md §9, docs/oracles.md §7.4, §7.7)
 
 def _c_q(ref: K3Reference, l: int, x: torch.Tensor) -> torch.Tensor:
     p = f"model.layers.{l}.self_attn."
@@ -548,7 +548,7 @@ def test_gated_mla_and_dsa_layers_match_hand(k31):
 
 
 # =================================================================================================================
-# KDA with the K3 gates (model.md §8, oracles.md §7.5)
+# KDA with the K3 gates (docs/model.md §8, docs/oracles.md §7.5)
 
 def test_kda_lower_bound_gate_by_hand():
     A_log = torch.log(torch.tensor([1.0, 3.0, 9.0, 16.0]))

@@ -1,7 +1,7 @@
-"""deltaserve's full K3 / K3.1 forward against the composite fp32 reference of oracles.md §8 (tests/k3_reference.py),
+"""deltaserve's full K3 / K3.1 forward against the composite fp32 reference of docs/oracles.md §8 (tests/k3_reference.py),
 built from the checkpoint tensors and the spec formulas only: FLA-naive KDA core + hand K3 gates, NoPE gated MLA with
-the K3.1 indexer, the §5.3 AttnRes loop, SiTU, router + latent MoE, final norm + lm_head; plus MTP (model.md §13)
-and the A_log narrowing rule (model.md §8.3)."""
+the K3.1 indexer, the §5.3 AttnRes loop, SiTU, router + latent MoE, final norm + lm_head; plus MTP (docs/model.md §13)
+and the A_log narrowing rule (docs/model.md §8.3)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import deltaserve
 import deltaserve.layers.mla as ds_mla
 from deltaserve.layers.batch import StepBatch
 
-TOL = 1e-4  # oracles.md §8: fp32 logits, absolute
+TOL = 1e-4  # docs/oracles.md §8: fp32 logits, absolute
 T = 48  # > index_topk (16) of k31-tiny, so DSA selection is active on most rows
-TIE_REL_GAP = 1e-4  # oracles.md §4 rule 2
+TIE_REL_GAP = 1e-4  # docs/oracles.md §4 rule 2
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +83,7 @@ def test_k31_tiny_logits_match_composite_reference(k31, k31_logits):
 
 
 def test_k31_tiny_indexer_rows_tie_free_and_same_selection(k31, k31_logits):
-    """oracles.md §4: the rows the comparison relies on have a clear gap at the top-k cut, and deltaserve selects
+    """docs/oracles.md §4: the rows the comparison relies on have a clear gap at the top-k cut, and deltaserve selects
     exactly the reference's key set on every row (compared as sets over causally valid positions)."""
     _, model, ref = k31
     _, _, _, records, selections = k31_logits
@@ -121,7 +121,7 @@ def test_k3_tiny_logits_match_composite_reference(k3_checkpoint):
 
 
 def test_a_log_entries_beyond_heads_are_ignored(k31, k31_logits, tmp_path):
-    """model.md §8.3: K3 stores A_log with K entries of which only the first H are used. Rewriting the unused
+    """docs/model.md §8.3: K3 stores A_log with K entries of which only the first H are used. Rewriting the unused
     tail to other junk (values that would saturate the gate if read) must leave the logits bit-identical."""
     path, model, ref = k31
     ids, logits, _, _, _ = k31_logits
@@ -155,7 +155,7 @@ def test_a_log_entries_beyond_heads_are_ignored(k31, k31_logits, tmp_path):
 
 
 def test_mtp_step_matches_hand_reference(k31):
-    """model.md §13, one and two draft steps: zeroed embedding at position 0, enorm/hnorm, concat (embedding first),
+    """docs/model.md §13, one and two draft steps: zeroed embedding at position 0, enorm/hnorm, concat (embedding first),
     eh_proj, ordinary-residual MLA + latent MoE block, shared_head norm + head; the pre-norm output chains."""
     _, model, ref = k31
     assert model.mtp_available and len(model.mtp) == 1

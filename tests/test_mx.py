@@ -1,4 +1,4 @@
-"""MX formats (ops.md §7) bit-for-bit against torchao's MX emulation (an independent implementation), plus the
+"""MX formats (docs/ops.md §7) bit-for-bit against torchao's MX emulation (an independent implementation), plus the
 spec's own rules where torchao departs from them (Inf blocks, the smallest scale)."""
 
 import numpy as np
@@ -56,7 +56,7 @@ def test_matches_torchao_bit_for_bit(fmt, mode):
 
 def test_scale_rule_examples_and_saturation():
     block = torch.tensor([5.0] + [1.0] * 31).reshape(1, 32)
-    assert quantize_mx(block, E4M3).scale.item() == 127 - 6  # ops.md §7.3: max 5.0 -> 2^-6 for E4M3
+    assert quantize_mx(block, E4M3).scale.item() == 127 - 6  # docs/ops.md §7.3: max 5.0 -> 2^-6 for E4M3
     assert quantize_mx(block, E2M1).scale.item() == 127      # and 2^0 for E2M1
     big = torch.tensor([480.0] + [1.0] * 31).reshape(1, 32)
     floor = quantize_mx(big, E4M3, ScaleMode.FLOOR)
@@ -92,7 +92,7 @@ def test_smallest_scale_is_exact():
 
 
 def test_fp4_packing_matches_torch_float4_x2():
-    """torch.float4_e2m1fn_x2 (and torchao, compressed-tensors): element 2j in the low nibble (ops.md §7.4)."""
+    """torch.float4_e2m1fn_x2 (and torchao, compressed-tensors): element 2j in the low nibble (docs/ops.md §7.4)."""
     packed = torch.tensor([[0x10, 0x32, 0x54, 0x76] * 4], dtype=torch.uint8)
     vals = dequant_mxfp4(packed, torch.tensor([[127]], dtype=torch.uint8))
     assert vals[0, :8].tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
@@ -125,7 +125,7 @@ def test_legacy_mxfp4_helpers_roundtrip():
     assert packed.shape == (64, 64) and scale.shape == (64, 4) and packed.dtype == scale.dtype == torch.uint8
     assert torch.equal(dequant_mxfp4(packed, scale), fake_quantize_mx(w, E2M1))
     sqnr = 10 * torch.log10(w.pow(2).sum() / (w - dequant_mxfp4(packed, scale)).pow(2).sum()).item()
-    assert 17 < sqnr < 21  # E2M1 on gaussian data is ~18.8 dB (ops.md §10.1)
+    assert 17 < sqnr < 21  # E2M1 on gaussian data is ~18.8 dB (docs/ops.md §10.1)
 
 
 def test_bad_shapes_are_named():

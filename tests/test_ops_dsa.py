@@ -1,5 +1,5 @@
 """DSA ops over paged storage: QLI (quantized lightning indexer + top-k) and QSFA (sparse absorbed MLA), fast vs
-readable reference (ops.md §3, §4, §11; model.md §9.4–9.5).
+readable reference (docs/ops.md §3, §4, §11; docs/model.md §9.4–9.5).
 
 Tolerances
 * fast vs ref on the same precision: the fast path regroups fp32 sums (int8 dots exact, scales folded into the head
@@ -101,7 +101,7 @@ def filled_caches(keys, rows, rotate=True):
 
 
 def full_precision_scores(q, w, keys, meta):
-    """fp64 model.md §9.4 scores (no quantisation, no rotation) per request: list of [n_q, ctx]."""
+    """fp64 docs/model.md §9.4 scores (no quantisation, no rotation) per request: list of [n_q, ctx]."""
     return [indexer_scores_ref(q[qi].double(), keys[b].double(), w[qi].double()) if qi.numel() else None
             for b, qi in enumerate(meta.queries)]
 
@@ -281,7 +281,7 @@ def test_qli_blocking_does_not_change_results(step):
 
 
 def test_qli_int8_vs_full_precision(step):
-    """int8 (with Hadamard) against fp64 model.md §9.4 scores of the unrotated inputs: error under the analytic
+    """int8 (with Hadamard) against fp64 docs/model.md §9.4 scores of the unrotated inputs: error under the analytic
     bound, equal sets on rows whose cut gap exceeds twice the bound."""
     meta, q, w, keys = step["meta"], step["q"], step["w"], step["keys"]
     sel8 = qli_topk(q, w, step["k8"], step["ks"], meta, quantized=True)

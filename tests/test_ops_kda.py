@@ -1,4 +1,4 @@
-"""KDA core ops and the short convolution against FLA's naive KDA and transformers (oracles.md §2, §3.5).
+"""KDA core ops and the short convolution against FLA's naive KDA and transformers (docs/oracles.md §2, §3.5).
 
 Tolerance: ≤ 1e-5 absolute on unit-scale fp32 data (the references agree among themselves to ~2e-6).
 """
@@ -47,7 +47,7 @@ def _fp32_deterministic():
 
 @pytest.fixture(scope="module")
 def naive() -> ModuleType:
-    """FLA's naive KDA, loaded by file path: importing the ``fla`` package needs triton (oracles.md §2)."""
+    """FLA's naive KDA, loaded by file path: importing the ``fla`` package needs triton (docs/oracles.md §2)."""
     spec = importlib.util.find_spec("fla")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("flash-linear-attention not installed")
@@ -176,7 +176,7 @@ def test_chunk_prefill_then_recurrent_decode():
 
 
 def _recurrent_fp64(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain fp64 transcription of model.md §8.5, the ground truth for precision checks."""
+    """Plain fp64 transcription of docs/model.md §8.5, the ground truth for precision checks."""
     q, k, v, g, beta = (x[n].double() for n in ("q", "k", "v", "g", "beta"))
     q = q * q.shape[-1] ** -0.5
     S = x["initial_state"].double().clone()

@@ -1,5 +1,5 @@
 """The K3 lower-bound ("safe") KDA gate, checked as a whole KDA layer against transformers' glm5_next
-(oracles.md §3.5): same weights, same input, same output and the same state after a split."""
+(docs/oracles.md §3.5): same weights, same input, same output and the same state after a split."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Layer-level oracles (oracles.md §7.4, model.md §9.2–9.5).
+"""Layer-level oracles (docs/oracles.md §7.4, docs/model.md §9.2–9.5).
 
 (a) Gated MLA: transformers' `KimiLinearAttention` (NoPE MLA) is the oracle up to the attention output (captured at
     its `o_proj` input); the K3 output gate σ(g_proj x) and o_proj are applied here by hand. deltaserve's MLAttention
@@ -35,7 +35,7 @@ def _fp32():
 # (a) gated MLA vs transformers' kimi_linear MLA + hand gate
 
 def _k3_mla_config(q_lora_rank: int | None) -> ModelConfig:
-    """A one-layer kimi_k3 config: NoPE MLA with the K3 output gate, geometry of oracles.md §3.2."""
+    """A one-layer kimi_k3 config: NoPE MLA with the K3 output gate, geometry of docs/oracles.md §3.2."""
     return ModelConfig.from_dict({
         "model_type": "kimi_k3",
         "text_config": {
@@ -149,7 +149,7 @@ def _mla_inputs(n_q: int, S: int, seed: int, dtype=torch.float32):
 
 
 def _mla_loop(q_nope, q_pe, latent, k_pe, w_kv_b, scale, allowed):
-    """Explicit per-(query, head) reference of model.md §9.2 in float64."""
+    """Explicit per-(query, head) reference of docs/model.md §9.2 in float64."""
     q_nope, q_pe, latent, k_pe, w_kv_b = (t.double() for t in (q_nope, q_pe, latent, k_pe, w_kv_b))
     n_q, S = allowed.shape
     out = torch.zeros(n_q, H, V, dtype=torch.float64)
@@ -213,7 +213,7 @@ def test_expanded_takes_the_kernels_causal_form_only_for_a_plain_causal_chunk(mo
 
 
 def test_absorbed_and_expanded_bf16_close():
-    """bf16 inputs: both forms stay within bf16 rounding of the fp64 loop (model.md §9.3)."""
+    """bf16 inputs: both forms stay within bf16 rounding of the fp64 loop (docs/model.md §9.3)."""
     n_q, S = 16, 40
     args = _mla_inputs(n_q, S, seed=5, dtype=torch.bfloat16)
     allowed = _masks(n_q, S, seed=6)["sparse"]

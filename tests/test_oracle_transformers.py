@@ -1,8 +1,8 @@
-"""Whole-model oracles: transformers 5.23.0 tiny models vs deltaserve (oracles.md §3, §4).
+"""Whole-model oracles: transformers 5.23.0 tiny models vs deltaserve (docs/oracles.md §3, §4).
 
 Each test builds a tiny HF model in fp32/eager, randomises its weights (§3.1), saves it with `save_pretrained`, loads
 the folder with `deltaserve.load_model` and compares full-sequence logits over T = 40 tokens. Tolerance: 1e-4
-absolute on logits of scale ~4 (observed oracle noise ~1e-5, oracles.md §8).
+absolute on logits of scale ~4 (observed oracle noise ~1e-5, docs/oracles.md §8).
 
 DSA runs use 8 index heads and a seed for which no indexer row has a tie at the top-k cut (§4), so that selection
 is unique and two correct implementations must agree.
@@ -249,7 +249,7 @@ def test_nope_dsa_matches_k31_path(tmp_path, monkeypatch):
     seed, hf = find_tie_free_seed(build, lambda s: random_ids(VOCAB, T, s), topk, first_seed=1)
     ids = random_ids(VOCAB, T, seed)
     ref = hf_logits(hf, ids)
-    # built-in check that the patch took effect: positions no longer matter (oracles.md §3.4)
+    # built-in check that the patch took effect: positions no longer matter (docs/oracles.md §3.4)
     assert (hf_logits(hf, ids, position_offset=100) - ref).abs().max() <= 1e-5
 
     path = _save(hf, tmp_path)
@@ -286,7 +286,7 @@ def test_kimi_linear_bf16_close_to_fp32_oracle(kimi_linear_oracle):
     f32 = deltaserve.load_model(path, dtype="float32")
     b16 = deltaserve.load_model(path, dtype="bfloat16")
     assert b16.lm_head.weight.dtype == torch.bfloat16
-    assert b16.layers[0].self_attn.A_log.dtype == torch.float32  # fp32-kept parameters (model.md §14.3)
+    assert b16.layers[0].self_attn.A_log.dtype == torch.float32  # fp32-kept parameters (docs/model.md §14.3)
 
     out = b16.reference_logits(ids)
     assert out.dtype == torch.float32 and out.shape == ref.shape

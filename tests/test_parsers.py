@@ -1,4 +1,4 @@
-"""Output parsers on token ids (chat.md §3.4–3.6, §4): K3 XTML and K2 section markers, streamed and not.
+"""Output parsers on token ids (docs/chat.md §3.4–3.6, §4): K3 XTML and K2 section markers, streamed and not.
 
 Realistic model outputs come from the renderer: an assistant turn rendered into a conversation, minus the prompt
 that precedes it (whose generation prompt opens the think or response channel, as at inference time).
@@ -162,7 +162,7 @@ def test_k3_no_tools_and_empty_think(k3):
 
 
 def test_k3_zero_length_think(k3):
-    """SGLang: a response marker seen while in reasoning ends the reasoning (chat.md §3.5)."""
+    """SGLang: a response marker seen while in reasoning ends the reasoning (docs/chat.md §3.5)."""
     tok, _ = k3
     o, c, s = (tok.token_to_id(n) for n in ("<|open|>", "<|close|>", "<|sep|>"))
     eom = tok.token_to_id("<|end_of_msg|>")

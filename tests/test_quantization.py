@@ -44,7 +44,7 @@ def test_fast_linear_equals_twin(name, dtype):
 
 @pytest.mark.parametrize("name", ["w8a8_mxfp8", "w4a8_mxfp4"])
 def test_twin_equals_torchao_emulation(name):
-    """The twin = dequant(MXTensor(x)) @ dequant(MXTensor(W))^T in fp32 (ops.md §7.5, §7.7)."""
+    """The twin = dequant(MXTensor(x)) @ dequant(MXTensor(W))^T in fp32 (docs/ops.md §7.5, §7.7)."""
     mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(64, 256, generator=g) * 16 ** -1, torch.randn(5, 256, generator=g)

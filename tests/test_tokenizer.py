@@ -1,4 +1,4 @@
-"""Tokenizer (chat.md §1) on generated real-layout tokenizer files for each family."""
+"""Tokenizer (docs/chat.md §1) on generated real-layout tokenizer files for each family."""
 
 from __future__ import annotations
 

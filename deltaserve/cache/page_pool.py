@@ -1,9 +1,9 @@
-"""PagePool: fixed-size pages of MLA latent rows and DSA indexer keys (serving.md §3.1).
+"""PagePool: fixed-size pages of MLA latent rows and DSA indexer keys (docs/serving.md §3.1).
 
 Every MLA/DSA layer owns a latent page tensor; every DSA layer also owns indexer-key pages. All of them are
 addressed by the same block ids: one block table per request.
 
-Formats (ops.md §9):
+Formats (docs/ops.md §9):
   * latent, model dtype: [num_blocks, B, r + rho] holding [c | k_pe];
   * latent, C8 (`latent_8bit` = torch.int8 or torch.float8_e4m3fn): one byte page [num_blocks, B, W] per layer in
     FlashMLA's fused order — r 8-bit values, then r/128 fp32 tile scales, then rho k_pe values in the model dtype
@@ -223,7 +223,7 @@ def mla_cache_layers(config: ModelConfig) -> list[int]:
     return config.mla_layers
 
 
-C8_TILE = 128  # latent values per fp32 scale (ops.md §9.1); a smaller latent rank uses one tile
+C8_TILE = 128  # latent values per fp32 scale (docs/ops.md §9.1); a smaller latent rank uses one tile
 
 
 def c8_row_bytes(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -1,4 +1,4 @@
-"""Hybrid prefix caching (serving.md §4): shared pages plus KDA state checkpoints.
+"""Hybrid prefix caching (docs/serving.md §4): shared pages plus KDA state checkpoints.
 
 Full pages are named by a hash chained over the previous page's hash and the page's token ids, rooted in the
 model and the request's `cache_salt`. A KDA checkpoint is an immutable copy of every KDA layer's state after the

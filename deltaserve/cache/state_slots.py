@@ -1,4 +1,4 @@
-"""StateSlots: one slot per running request holding the fp32 KDA state of every KDA layer (serving.md §3.2):
+"""StateSlots: one slot per running request holding the fp32 KDA state of every KDA layer (docs/serving.md §3.2):
 conv windows [n_kda, 3, P, W-1] and recurrent states [n_kda, H, K, V]. Sized up front; a slot is zeroed when
 allocated so a new request starts from the empty state."""
 

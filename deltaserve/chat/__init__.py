@@ -1,6 +1,6 @@
-"""Chat prompts -> token ids (chat.md §2–4): `render_chat` picks the family's format.
+"""Chat prompts -> token ids (docs/chat.md §2–4): `render_chat` picks the family's format.
 
-K3 / K3.1 ship no Jinja template: their XTML format (chat.md §3) is rendered natively, one segment at a time, so
+K3 / K3.1 ship no Jinja template: their XTML format (docs/chat.md §3) is rendered natively, one segment at a time, so
 that structural markers are special ids while every piece of message, tool, attribute and option text is encoded
 with all specials disallowed (a literal `<|open|>` typed by a user stays ordinary text, §1.5). Text between two
 consecutive special ids is encoded as one piece, exactly as a tokenizer that splits the rendered string at the
@@ -10,8 +10,8 @@ Kimi-Linear / K2 checkpoints carry a Jinja `chat_template` (§4), rendered in a 
 only the special spellings of the template's own source become special ids, so request text never does (template.py
 explains how).
 
-Byte-level choices that chat.md leaves open ([R] / "to be confirmed against encoding_k3") are marked `[R]` in k3.py;
-the golden test of chat.md §2 (ids from the checkpoint's own encoder) is the final word on them.
+Byte-level choices that docs/chat.md leaves open ([R] / "to be confirmed against encoding_k3") are marked `[R]` in k3.py;
+the golden test of docs/chat.md §2 (ids from the checkpoint's own encoder) is the final word on them.
 """
 
 from __future__ import annotations

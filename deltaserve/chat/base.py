@@ -15,9 +15,9 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 
 
 def message_text(message: Mapping) -> str:
-    """OpenAI content: a string, or a list of parts whose text parts are concatenated (chat.md §3.2 item 3).
+    """OpenAI content: a string, or a list of parts whose text parts are concatenated (docs/chat.md §3.2 item 3).
 
-    Image parts would become `<|kimi_image_placeholder|>` (vision.md §6); images are not supported yet, so any
+    Image parts would become `<|kimi_image_placeholder|>` once vision is built; images are not supported yet, so any
     non-text part raises a ChatError naming the part.
     """
     content = message.get("content")

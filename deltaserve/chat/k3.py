@@ -1,10 +1,10 @@
-"""Kimi K3 / K3.1 XTML chat renderer (chat.md §3), native: markers are special ids, all message, tool, attribute and
+"""Kimi K3 / K3.1 XTML chat renderer (docs/chat.md §3), native: markers are special ids, all message, tool, attribute and
 option text is encoded with every special disallowed (a literal `<|open|>` typed by a user stays ordinary text,
 §1.5). Text between two consecutive special ids is encoded as one piece, exactly as a tokenizer that splits the
 rendered string at the special tokens would encode it.
 
-Byte-level choices that chat.md leaves open ([R] / "to be confirmed against encoding_k3") are marked `[R]` below;
-the golden test of chat.md §2 (ids from the checkpoint's own encoder) is the final word on them.
+Byte-level choices that docs/chat.md leaves open ([R] / "to be confirmed against encoding_k3") are marked `[R]` below;
+the golden test of docs/chat.md §2 (ids from the checkpoint's own encoder) is the final word on them.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from .base import _ROLES, ChatError, message_text
 
 
 THINKING_EFFORTS = ("low", "medium", "high", "max")
-# chat.md §3.2 item 2: the llama.cpp port defaults to `max` (so the message is always present in thinking mode) and
+# docs/chat.md §3.2 item 2: the llama.cpp port defaults to `max` (so the message is always present in thinking mode) and
 # the worked example of §3.8 shows `thinking_effort=max` for a request that sets no effort. [R] encoding_k3 default.
 DEFAULT_THINKING_EFFORT = "max"
 
-# K3 marker names (chat.md §1.3). Resolved through the loaded tokenizer, never hard-coded as ids.
+# K3 marker names (docs/chat.md §1.3). Resolved through the loaded tokenizer, never hard-coded as ids.
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 
-# Bodies of the internal system messages. chat.md §3.2 gives their structure; the exact sentences are those of the
+# Bodies of the internal system messages. docs/chat.md §3.2 gives their structure; the exact sentences are those of the
 # llama.cpp Jinja port of encoding_k3 (the only public transcription). [R] confirm against encoding_k3.
 TOOL_DECLARE_PREAMBLE = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
 DYNAMIC_TOOL_DECLARE_PREAMBLE = (
@@ -53,7 +53,7 @@ RESPONSE_FORMAT_JSON_SCHEMA_BODY = (
 
 
 def escape_attr(value: Any) -> str:
-    """XTML attribute escaping (chat.md §3.1): `&` first, then `"`."""
+    """XTML attribute escaping (docs/chat.md §3.1): `&` first, then `"`."""
     return str(value).replace("&", "&amp;").replace('"', "&quot;")
 
 
@@ -63,7 +63,7 @@ def unescape_attr(value: str) -> str:
 
 
 def sorted_json(value: Any) -> str:
-    """Tool declarations and response schemas (chat.md §3.2): keys sorted at every level, arrays in given order,
+    """Tool declarations and response schemas (docs/chat.md §3.2): keys sorted at every level, arrays in given order,
     ensure_ascii=False, compact separators. [R] confirm against encoding_k3 (Python's code-point key order)."""
     try:
         return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
@@ -72,7 +72,7 @@ def sorted_json(value: Any) -> str:
 
 
 def xtml_type(value: Any) -> str:
-    """`type` attribute of an `argument` element (chat.md §3.3)."""
+    """`type` attribute of an `argument` element (docs/chat.md §3.3)."""
     if value is None:
         return "null"
     if isinstance(value, bool):  # before number: bool is an int in Python
@@ -89,9 +89,9 @@ def xtml_type(value: Any) -> str:
 
 
 def xtml_value(value: Any) -> str:
-    """`string` values are written raw; every other type as JSON with ensure_ascii=False (chat.md §3.3).
+    """`string` values are written raw; every other type as JSON with ensure_ascii=False (docs/chat.md §3.3).
 
-    chat.md does not fix the separators of non-string values; Python's json.dumps defaults (`", "`, `": "`) and the
+    docs/chat.md does not fix the separators of non-string values; Python's json.dumps defaults (`", "`, `": "`) and the
     object's own key order are used, as a Python encoder calling json.dumps(value, ensure_ascii=False) writes them.
     [R] confirm against encoding_k3.
     """
@@ -167,7 +167,7 @@ class _Ids:
 
 # ---------------------------------------------------------------------------------------- tool-result reordering
 def normalize_k3_messages(messages: list[Mapping]) -> list[dict]:
-    """Map roles (developer -> system) and resolve tool results (chat.md §3.2 item 3).
+    """Map roles (developer -> system) and resolve tool results (docs/chat.md §3.2 item 3).
 
     Each maximal run of consecutive `tool` messages is matched against the tool_calls of the most recent assistant
     message, by `tool_call_id` (or the message's `id`) equal to a call's `id` or to the alias
@@ -249,7 +249,7 @@ def _tool_calls(out: _Ids, tool_calls: list) -> None:
         out.open("call", [("tool", _call_name(call)), ("index", index)])
         arguments = fn.get("arguments")
         if isinstance(arguments, str):
-            # OpenAI clients send a JSON string: parse it so history renders as `argument` elements (chat.md §3.3).
+            # OpenAI clients send a JSON string: parse it so history renders as `argument` elements (docs/chat.md §3.3).
             # An empty string is taken as no arguments (llama.cpp port: `arguments|trim` is false). Only a string
             # that is not a JSON object falls back to one raw `json` element.
             if not arguments.strip():
@@ -286,7 +286,7 @@ def _response_schema(response_format: Mapping) -> Any:
 def render_k3(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True, thinking: bool = True,
               tools: list[dict] | None = None, tool_choice: Any = None, response_format: Any = None,
               thinking_effort: str | None = None, continue_final_message: bool = False) -> list[int]:
-    """Token ids of a K3 XTML prompt (chat.md §3.2–3.3).
+    """Token ids of a K3 XTML prompt (docs/chat.md §3.2–3.3).
 
     With `continue_final_message` (the last message must be an assistant message, `add_generation_prompt` false)
     the prompt ends right after that message's response text: its closing markers, tool calls and everything the

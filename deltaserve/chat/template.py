@@ -1,4 +1,4 @@
-"""Kimi-Linear / K2 prompts from the checkpoint's Jinja `chat_template` (chat.md §4), rendered in a sandbox.
+"""Kimi-Linear / K2 prompts from the checkpoint's Jinja `chat_template` (docs/chat.md §4), rendered in a sandbox.
 
 Special tokens come only from the template's own source, never from request data. Before each render every special
 token spelled in the template source (in literal text, string constants and comments alike) is replaced by a
@@ -121,7 +121,7 @@ class _Sentinels:
 def render_template(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, thinking: bool = True, continue_final_message: bool = False,
                     template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-    """K2-family prompt ids from the checkpoint's Jinja `chat_template` (chat.md §4).
+    """K2-family prompt ids from the checkpoint's Jinja `chat_template` (docs/chat.md §4).
 
     The template gets `messages` (content flattened to a string), `add_generation_prompt`, `tools`, `thinking` and
     its alias `enable_thinking`, plus `template_kwargs` (which may not rebind those names). With

@@ -12,7 +12,7 @@ from ..errors import ConfigError
 from .faults import FaultInjector
 
 QUANTIZATIONS = ("w8a8-mxfp8", "w4a8-mxfp4", "mxfp")  # the schemes of layers/quantized.py
-CACHE_8BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # 8-bit cache value types (ops.md §9)
+CACHE_8BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # 8-bit cache value types (docs/ops.md §9)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}

@@ -1,4 +1,4 @@
-"""Scheduler: one rule, no prefill/decode phases (serving.md §2.2), shared fairly between clients.
+"""Scheduler: one rule, no prefill/decode phases (docs/serving.md §2.2), shared fairly between clients.
 
 Each request's `num_computed_tokens` chases its `num_tokens` under one per-step token budget. Running requests go
 first (decodes and unfinished chunked prefills, in admission order), then waiting requests are admitted while a

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (model.md §8): projections, short convs, forget gate, beta, L2 norm, the delta-rule
+"""Kimi Delta Attention layer (docs/model.md §8): projections, short convs, forget gate, beta, L2 norm, the delta-rule
 recurrence (chunked for prefill chunks, recurrent for decode) and the gated output norm.
 
 Per-sequence state (through `batch.cache`): conv windows [3, P, W-1] (q, k, v pre-conv inputs) and the recurrent

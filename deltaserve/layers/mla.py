@@ -1,5 +1,5 @@
 """Multi-head latent attention: NoPE (Kimi) or RoPE/YaRN (DeepSeek), optional sigmoid output gate (K3), optional
-DSA lightning indexer (DeepSeek-V3.2, K3.1) — model.md §9.
+DSA lightning indexer (DeepSeek-V3.2, K3.1) — docs/model.md §9.
 
 Cache rows per token: [c (kv_lora_rank) | k_pe (rope dim)] and, with an indexer, its key [D_I].
 """
@@ -103,7 +103,7 @@ class MLAttention(nn.Module):
         return self._output(out, self.g_proj(x) if self.config.mla_use_output_gate else None)
 
     def _project(self, x: torch.Tensor, batch: StepBatch):
-        """The module chain (model.md §9.1): q_nope [N, H, n], q_pe [N, H, rho] (rotated for RoPE models), the
+        """The module chain (docs/model.md §9.1): q_nope [N, H, n], q_pe [N, H, rho] (rotated for RoPE models), the
         cache rows [c | k_pe] [N, r + rho], c_q (for the indexer) and the rotary cos/sin (or None)."""
         N = x.shape[0]
         if self.config.q_lora_rank is None:
@@ -243,7 +243,7 @@ class MLAttention(nn.Module):
         return self.o_proj.weight.device if isinstance(self.o_proj, Linear) else torch.device("cpu")
 
     def _dense_decode(self, q_lat, q_pe, latent_pages, seqs: list[int], batch: StepBatch) -> torch.Tensor:
-        """Single-token queries of many sequences at once over their whole context (ops.md §4.5 in the absorbed
+        """Single-token queries of many sequences at once over their whole context (docs/ops.md §4.5 in the absorbed
         form): each sequence's page rows up to its position are the selected set of QSFA, so the absorption and the
         W_UV map run once for all of them instead of once per sequence."""
         lengths = [batch.context_lens[i] + 1 for i in seqs]

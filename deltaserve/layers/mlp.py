@@ -1,4 +1,4 @@
-"""Gated MLP (dense layers and shared experts), SiLU-GLU or SiTU (model.md §6)."""
+"""Gated MLP (dense layers and shared experts), SiLU-GLU or SiTU (docs/model.md §6)."""
 
 import torch
 from torch import nn

@@ -1,4 +1,4 @@
-"""Router (noaux_tc, sigmoid or softmax, expert groups) and the MoE block, plain or K3 latent (model.md §10–11).
+"""Router (noaux_tc, sigmoid or softmax, expert groups) and the MoE block, plain or K3 latent (docs/model.md §10–11).
 
 Experts are stored stacked ([E, I, in] for w1/w3, [E, in, I] for w2) and run once per expert over all the tokens of
 the flattened batch that picked it; there is no per-request loop.

@@ -1,4 +1,4 @@
-"""Normalisation layers in the reference rounding order (model.md §3)."""
+"""Normalisation layers in the reference rounding order (docs/model.md §3)."""
 
 import torch
 from torch import nn

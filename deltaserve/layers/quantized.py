@@ -1,4 +1,4 @@
-"""MX-quantized layers and the quantization schemes that place them (ops.md §7–8).
+"""MX-quantized layers and the quantization schemes that place them (docs/ops.md §7–8).
 
 A scheme says how two kinds of weight are stored and run:
   * "dense": the attention linears (MLA q_a/q_b/kv_a/o/g projections, every KDA projection), the shared experts, dense

@@ -1,5 +1,5 @@
 """The causal LM shared by every family: embedding, the decoder stack (models/decoder.py: plain pre-norm residual or
-block AttnRes), final norm, LM head and the MTP layers — model.md §4, §5.3, §12."""
+block AttnRes), final norm, LM head and the MTP layers — docs/model.md §4, §5.3, §12."""
 
 import torch
 from torch import nn

@@ -1,5 +1,5 @@
 """A decoder layer shared by every family: plain pre-norm residual (Kimi-Linear, DeepSeek) or one layer of block
-AttnRes (K3, K3.1) — model.md §4, §5.3."""
+AttnRes (K3, K3.1) — docs/model.md §4, §5.3."""
 
 import torch
 from torch import nn
@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
         return fused if fused is not None else h + self.ffn(self.post_attention_layernorm(h))
 
     def forward_attn_res(self, p: torch.Tensor, bank: list[torch.Tensor], batch: StepBatch) -> torch.Tensor:
-        """One layer of model.md §5.3. `p` is the current block's partial sum; `bank` is extended in place on a
+        """One layer of docs/model.md §5.3. `p` is the current block's partial sum; `bank` is extended in place on a
         block-write layer. Returns the next partial sum."""
         x = self.self_attention_res.mix(bank + [p], batch) if bank else p
         write = self.config.attnres_write(self.layer)

@@ -31,7 +31,7 @@ from .weights import canonical, targets
 
 log = logging.getLogger(__name__)
 
-# Parameters kept in fp32 whatever the model dtype (model.md §14.3, §15.1).
+# Parameters kept in fp32 whatever the model dtype (docs/model.md §14.3, §15.1).
 FP32_PARAMS = ("A_log", "dt_bias", "_conv1d.weight", "e_score_correction_bias")
 # Parameters a checkpoint may omit, with the value used instead.
 _OPTIONAL = ("indexer.k_norm.bias",)
@@ -166,7 +166,7 @@ def _swap_stored_mx(model: CausalLM, config: ModelConfig, shapes: dict, schemes:
 
 
 def _check_mx_tensor(name: str, value: torch.Tensor, dest: torch.Tensor) -> None:
-    """MX bytes go only into MX buffers of the same dtype, and no scale may be NaN (E8M0 255) (ops.md §8)."""
+    """MX bytes go only into MX buffers of the same dtype, and no scale may be NaN (E8M0 255) (docs/ops.md §8)."""
     if value.dtype != dest.dtype and (value.dtype in _MX_DTYPES or dest.dtype in _MX_DTYPES):
         raise CheckpointError(f"tensor {name!r} is {value.dtype} but its layer expects {dest.dtype} (a quantised "
                               f"tensor without its weight_scale, or the reverse)")

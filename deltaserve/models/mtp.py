@@ -1,4 +1,4 @@
-"""MTP (next-token prediction) layer weights (model.md §13). Loaded with the model; drafting uses it later."""
+"""MTP (next-token prediction) layer weights (docs/model.md §13). Loaded with the model; drafting uses it later."""
 
 import torch
 from torch import nn

@@ -1,4 +1,4 @@
-"""Checkpoint tensor names -> model parameters (model.md §14, oracles.md §3.2).
+"""Checkpoint tensor names -> model parameters (docs/model.md §14, docs/oracles.md §3.2).
 
 Every family's spellings are first brought to one canonical form (K3's names without the `language_model.model.`
 prefix, MoE under `ffn.`), then mapped to a parameter and an optional expert index. Conversions (A_log narrowing,

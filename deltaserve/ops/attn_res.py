@@ -1,4 +1,4 @@
-"""AttnRes mixing over depth (model.md §5.2).
+"""AttnRes mixing over depth (docs/model.md §5.2).
 
 `attn_res_mix_ref` is the readable formula; `attn_res_mix` computes the same with GEMVs and in-place accumulation,
 or, for bf16 sources on the CPU, in one native call (native_src/attention.c `ds_attn_res_mix`: a K3 decode step

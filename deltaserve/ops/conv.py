@@ -1,4 +1,4 @@
-"""Depthwise causal short convolution with SiLU for the KDA q/k/v paths (model.md §8.2), one sequence at a time.
+"""Depthwise causal short convolution with SiLU for the KDA q/k/v paths (docs/model.md §8.2), one sequence at a time.
 
 Contract shared by all functions here:
 

@@ -1,4 +1,4 @@
-"""DSA lightning-indexer scoring and top-k selection (model.md §9.4–9.5).
+"""DSA lightning-indexer scoring and top-k selection (docs/model.md §9.4–9.5).
 
 Selection is engine-canonical: score descending, then larger position first; -0.0 == +0.0. Rows whose causal
 range holds no more than `topk` keys select all of them. Output: absolute key positions, valid first, -1 padded.

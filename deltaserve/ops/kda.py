@@ -1,4 +1,4 @@
-"""KDA (Kimi Delta Attention) core ops, plain PyTorch, one sequence at a time (model.md §8.3-§8.6).
+"""KDA (Kimi Delta Attention) core ops, plain PyTorch, one sequence at a time (docs/model.md §8.3-§8.6).
 
 Shapes (no batch dimension): ``q, k [T, H, K]``, ``v [T, H, V]``, ``g [T, H, K]`` (log-space decay, <= 0),
 ``beta [T, H]``, recurrent state ``S [H, K, V]`` key-major, everything fp32. ``q`` and ``k`` must already be
@@ -69,7 +69,7 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: fl
 
 def kda_recurrent_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
                       initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Token-by-token KDA recurrence (model.md §8.5). Returns ``(o [T, H, V], final_state [H, K, V])`` fp32."""
+    """Token-by-token KDA recurrence (docs/model.md §8.5). Returns ``(o [T, H, V], final_state [H, K, V])`` fp32."""
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     T = q.shape[0]
     o = v.new_zeros(v.shape)
@@ -137,7 +137,7 @@ def _tail_sum(g: Tensor) -> Tensor:
 
 def kda_chunk_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
                   initial_state: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
-    """Exact chunked KDA (model.md §8.6), one chunk and one head-batched step at a time.
+    """Exact chunked KDA (docs/model.md §8.6), one chunk and one head-batched step at a time.
 
     Same contract as :func:`kda_recurrent_ref`; T need not be a multiple of ``chunk_size``.
     """

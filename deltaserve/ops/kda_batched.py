@@ -1,5 +1,5 @@
 """Batched KDA ops over many sequences at once, reading and writing per-sequence state *slots* in place
-(ops.md §6.1, §6.3, §6.4; model.md §8.2, §8.5, §8.6).
+(docs/ops.md §6.1, §6.3, §6.4; docs/model.md §8.2, §8.5, §8.6).
 
 State pools are the per-layer views of :class:`deltaserve.cache.state_slots.StateSlots`:
 
@@ -9,7 +9,7 @@ State pools are the per-layer views of :class:`deltaserve.cache.state_slots.Stat
   concatenation ``[q̂ | k̂ | v̂]`` of the pre-conv inputs, ``weight`` the three conv weights stacked the same way).
 
 ``slots`` is int64 ``[N]`` (one per sequence). Slots must be distinct among entries ``>= 0``; a slot ``< 0`` means
-"padding": that sequence's outputs are zero and no state is read or written (ops.md §6).
+"padding": that sequence's outputs are zero and no state is read or written (docs/ops.md §6).
 
 Every fast path has a ``*_ref`` twin with the same signature that loops over sequences and calls the one-sequence
 reference ops of :mod:`deltaserve.ops.kda` / :mod:`deltaserve.ops.conv`; the tests keep them in agreement.
@@ -141,7 +141,7 @@ def kda_decode_batched(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 def short_conv_decode_batched_ref(x: Tensor, weight: Tensor, conv_states: Tensor, slots: Tensor) -> Tensor:
     """One decode token for each of N sequences: ``x [N, C]``, ``weight [C, W]``, ``conv_states [num_slots, C,
-    W-1]`` updated in place at ``slots``. Returns ``y [N, C]`` in ``x.dtype`` (SiLU applied, model.md §8.2).
+    W-1]`` updated in place at ``slots``. Returns ``y [N, C]`` in ``x.dtype`` (SiLU applied, docs/model.md §8.2).
 
     Reference: one :func:`short_conv_ref` call per sequence.
     """
@@ -230,7 +230,7 @@ _CHUNK_GROUP_FLOATS = 1 << 20   # CPU: floats of the largest intra-chunk tempora
 
 def _intra_chunk(qc: Tensor, kc: Tensor, vc: Tensor, gc: Tensor, bc: Tensor, sub: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Everything of model.md §8.6 that does not depend on the carried state, for a batch of chunks.
+    """Everything of docs/model.md §8.6 that does not depend on the carried state, for a batch of chunks.
 
     ``qc, kc, gc [N, H, C, K]`` (q pre-scaled), ``vc [N, H, C, V]``, ``bc [N, H, C]``. Returns ``W_, U`` (the
     solved ``T·(e^Γ ⊙ k)`` and ``T·v``), ``A`` (causal q·k pair decays), ``q e^Γ``, ``(k e^{Γ_C-Γ})ᵀ`` and

@@ -1,7 +1,7 @@
 """KDA from the projections to the core output over state slots, with a native CPU kernel (`native_src/attention.c`).
 
 Both ops run, per token, the short convs of q̂ | k̂ | v̂ over the slot's window (SiLU), L2-normalised q and k and
-the gated delta rule on the slot's state, everything in place in the state pools (model.md §8.2, §8.5):
+the gated delta rule on the slot's state, everything in place in the state pools (docs/model.md §8.2, §8.5):
 
 * `kda_decode_step`: one token for each of N sequences (the layers' decode step);
 * `kda_step_varlen`: several tokens for each of several sequences (a round of the layers' varlen prefill).

@@ -1,4 +1,4 @@
-"""Multi-head latent attention over one sequence's cached latents (model.md §9.2–9.3, 9.5).
+"""Multi-head latent attention over one sequence's cached latents (docs/model.md §9.2–9.3, 9.5).
 
 Both functions take the same arguments and return the same [T, H, v] output:
   q_nope [T, H, n], q_pe [T, H, rho]   queries (q_pe already rotated for RoPE models)

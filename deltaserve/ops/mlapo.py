@@ -1,4 +1,4 @@
-"""MLAPO: fused MLA preprocess + latent / indexer-key cache write (ops.md §2; model.md §9.1, §9.3, §9.4).
+"""MLAPO: fused MLA preprocess + latent / indexer-key cache write (docs/ops.md §2; docs/model.md §9.1, §9.3, §9.4).
 
 One call per MLA/DSA layer per step replaces the chain
 
@@ -20,7 +20,7 @@ RoPE: Kimi models (K3, K3.1, Kimi-Linear) are NoPE and pass ``rotary=None``. Wit
 interleaved form, and the indexer's first ``MLAWeights.index_rope_dim`` dims in the half-split form, both at
 ``positions``; this mirrors the layer but is only lightly tested.
 
-Cache write at ``out_rows [N]`` int64 flat rows ``block · B + offset``; rows < 0 are skipped (ops.md §0). Every
+Cache write at ``out_rows [N]`` int64 flat rows ``block · B + offset``; rows < 0 are skipped (docs/ops.md §0). Every
 PagePool format: ``latent_cache`` is a float tensor ``[num_blocks, B, r+ρ]`` (or flat rows) or a ``C8Latent``
 (quantised per 128-value tile on write); ``index_cache [num_blocks, B, D_I]`` holds float keys, or 8-bit keys
 (Hadamard-rotated and quantised per token) when ``index_scales`` is given. The writers are the shared cache-format

@@ -1,8 +1,8 @@
-"""MX block formats (OCP Microscaling v1.0, ops.md §7): MXFP8 (E4M3, E5M2) and MXFP4 (E2M1) elements in blocks of 32
+"""MX block formats (OCP Microscaling v1.0, docs/ops.md §7): MXFP8 (E4M3, E5M2) and MXFP4 (E2M1) elements in blocks of 32
 along the last dim, each block sharing one E8M0 scale stored as a uint8 biased exponent (2^(e-127), 255 = NaN).
 
 Storage: FP8 elements as torch float8 tensors [..., K]; FP4 elements packed two per byte, element 2j in the low
-nibble (the compressed-tensors `mxfp4-pack-quantized` layout of ops.md §8 and torch `float4_e2m1fn_x2`);
+nibble (the compressed-tensors `mxfp4-pack-quantized` layout of docs/ops.md §8 and torch `float4_e2m1fn_x2`);
 scales uint8 [..., K/32].
 
 Scale rules (§7.3), chosen by `ScaleMode`: FLOOR (the spec's default; the largest elements saturate), RCEIL
@@ -90,7 +90,7 @@ def _ceil_log2(v: torch.Tensor) -> torch.Tensor:
 
 
 def block_scales(blocks: torch.Tensor, fmt: ElementFormat, mode: ScaleMode = ScaleMode.FLOOR) -> torch.Tensor:
-    """uint8 E8M0 scale of each block of fp32 `blocks [..., nb, 32]` under `mode` (ops.md §7.3)."""
+    """uint8 E8M0 scale of each block of fp32 `blocks [..., nb, 32]` under `mode` (docs/ops.md §7.3)."""
     amax = blocks.abs().amax(-1)
     finite = torch.isfinite(amax)
     safe = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))

@@ -1,4 +1,4 @@
-"""Quantized linears over MX weights (ops.md §7.5–7.7), each beside its readable `*_ref` twin (same signature).
+"""Quantized linears over MX weights (docs/ops.md §7.5–7.7), each beside its readable `*_ref` twin (same signature).
 
   * `linear_w8a8_mxfp8`: MXFP8-E4M3 weight [N, K] + scales [N, K/32]; activations quantised to MXFP8-E4M3 per 32
     along K at run time (FLOOR by default, as the spec's scale rule).
@@ -10,7 +10,7 @@ An MX GEMM equals `dequant(x) @ dequant(W)^T` accumulated in fp32 (§7.5); the t
 path runs one GEMM in the activations' dtype over the dequantised weight, which the caller may pass in `dense` (a
 per-module cache: MX values are exact in bf16 and fp32, so caching loses nothing). On the CPU a bf16 GEMM is
 faster than an fp32 one, and neither `torch._scaled_mm` (far slower, rejects E8M0 block scales) nor an int8
-GEMM (block scales along K would split it into K/32 GEMMs) is faster (ops.md §10.2). The fast result therefore
+GEMM (block scales along K would split it into K/32 GEMMs) is faster (docs/ops.md §10.2). The fast result therefore
 differs from the twin only by summation order and, for bf16 activations, one rounding of the output to bf16.
 """
 

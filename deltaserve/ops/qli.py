@@ -1,8 +1,8 @@
-"""QLI: (quantized) lightning indexer over paged keys for a whole step's batch (ops.md §3, model.md §9.4–9.5).
+"""QLI: (quantized) lightning indexer over paged keys for a whole step's batch (docs/ops.md §3, docs/model.md §9.4–9.5).
 
 Used by the engine's fast DSA path (layers/mla.py). Plain PyTorch, device-agnostic.
 
-Storage (ops.md §9.2, flattened): indexer keys of one DSA layer live in `key_pages [num_blocks * B, D]` — int8
+Storage (docs/ops.md §9.2, flattened): indexer keys of one DSA layer live in `key_pages [num_blocks * B, D]` — int8
 values plus `key_scales fp32 [num_blocks * B]` for the 8-bit cache, or a float tensor (bf16/fp32) with
 `key_scales=None` for the unquantised cache. A request's position `p` lives at flat row
 `block_table[p // B] * B + p % B` (same block ids as the latent cache). `[num_blocks, B, D]` pages are accepted
@@ -14,12 +14,12 @@ Precision variants: one set of functions, selected by `quantized: bool`:
     to the same type (§3.2 step 2), scales are folded into the head weights and the dot products are accumulated
     exactly: int32 (`torch._int_mm`) for int8; fp32 for e4m3, whose products (4-bit significands) are exact in
     fp32 and whose sums differ from the reference only in summation order (§3.2 steps 3–4). Scoring fp8 on the CPU
-    upcasts to fp32 (`torch._scaled_mm` is far slower there, ops.md §10.2).
-  * `quantized=False` keys are stored as floats and scored in fp32 (model.md §9.4 exactly).
+    upcasts to fp32 (`torch._scaled_mm` is far slower there, docs/ops.md §10.2).
+  * `quantized=False` keys are stored as floats and scored in fp32 (docs/model.md §9.4 exactly).
 `rotate` (Hadamard, §3.2 step 1) must match how the keys were written; rotating is exact in real arithmetic
 (orthonormal) and only spreads outliers before quantisation.
 
-Selection (model.md §9.5): candidates of a query at absolute position `pos` are its request's keys `0..pos`
+Selection (docs/model.md §9.5): candidates of a query at absolute position `pos` are its request's keys `0..pos`
 (bound `pos + 1`, applied inside the op). Rows with `pos + 1 <= topk` candidates select all of them in ascending
 position order without scoring; otherwise the `topk` best by score descending, then larger position first
 (-0.0 == +0.0; NaN ranks below every finite score). Output: int64 `[T, topk]` flat page rows (physical slots),
@@ -82,7 +82,7 @@ EIGHT_BIT = {torch.int8: INT8_MAX, torch.float8_e4m3fn: FP8_MAX}
 
 
 def quantize_8bit(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric 8-bit over the last dim (ops.md §3.2 step 2): s = amax / Q_max (127 int8, 448 e4m3; zero vector
+    """Symmetric 8-bit over the last dim (docs/ops.md §3.2 step 2): s = amax / Q_max (127 int8, 448 e4m3; zero vector
     => s = 1), q = round-to-nearest-even(x / s) clamped to ±Q_max (int8), or cast with round-to-nearest-even (fp8,
     clamped first so nothing saturates to NaN). Returns (q of `dtype` like x, fp32 scale x.shape[:-1])."""
     if dtype not in EIGHT_BIT:
@@ -119,7 +119,7 @@ def _flat(pages: torch.Tensor, trailing: int) -> torch.Tensor:
 def write_index_keys(k: torch.Tensor, slots: torch.Tensor, key_pages: torch.Tensor,
                      key_scales: torch.Tensor | None, *, quantized: bool = True, rotate: bool = True) -> None:
     """Fused (rotate +) quantise + scatter of this step's indexer keys k [T, D] into flat rows `slots [T]`
-    (ops.md §3.3); slot < 0 is skipped. quantized: 8-bit values (int8 or float8_e4m3fn: key_pages' dtype) into
+    (docs/ops.md §3.3); slot < 0 is skipped. quantized: 8-bit values (int8 or float8_e4m3fn: key_pages' dtype) into
     key_pages, fp32 scales into key_scales [rows]; otherwise the (optionally rotated) key is stored in key_pages' dtype and key_scales must be None."""
     pages = _flat(key_pages, 1)
     keep = slots >= 0
@@ -142,7 +142,7 @@ def write_index_keys(k: torch.Tensor, slots: torch.Tensor, key_pages: torch.Tens
 # ---------------------------------------------------------------------------------------------------------------
 
 class StepIndexMeta(NamedTuple):
-    """Per-step DSA indexer metadata: built once per forward step, shared by every DSA layer (ops.md §3.4).
+    """Per-step DSA indexer metadata: built once per forward step, shared by every DSA layer (docs/ops.md §3.4).
 
     per query (T):     seq_ids [T] int64 (request index), bounds [T] int64 (= pos + 1: keys 0..bound-1 are valid)
     per request (B):   rows[b] int64 [ctx_len_b] flat page row of each position; queries[b] int64 index of its
@@ -258,7 +258,7 @@ def qli_topk(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scal
     as many as keep the group's [rows x heads, block] dot products within 32 MiB, so a decode row takes its whole
     context in one GEMM), only up to the group's largest causal bound; the causal bound is applied per key block as the scores are written
     (no [T, S] mask). Scores: exact 8-bit dot products (int32 for int8, fp32 for e4m3), ReLU, head weights with the query
-    scales folded in, × key scale (ops.md §3.2). NaN scores rank below every finite score.
+    scales folded in, × key scale (docs/ops.md §3.2). NaN scores rank below every finite score.
     """
     topk = meta.topk if topk is None else int(topk)
     if topk != meta.topk:

@@ -1,4 +1,4 @@
-"""QSFA: sparse absorbed MLA attention over selected latent rows of a paged cache (ops.md §4.1–4.2, model.md §9.5).
+"""QSFA: sparse absorbed MLA attention over selected latent rows of a paged cache (docs/ops.md §4.1–4.2, docs/model.md §9.5).
 
 Used by the engine's fast DSA path and dense MLA decode (layers/mla.py). On the CPU, a full-precision cache goes
 through the native kernel (`native_src/attention.c`: one pass over each query's rows with a running max, no gathered
@@ -6,7 +6,7 @@ fp32 copy); otherwise, and for C8, plain PyTorch, device-agnostic.
 
 Latent cache of one layer, flattened to rows (row = block_id · B + offset, as in `qli`):
   * full precision: a float tensor `[num_rows, r + rho]` (bf16/fp32) holding `[c | k_pe]`;
-  * 8-bit ("C8", ops.md §9.1): a `C8Latent(values [num_rows, r], scales fp32 [num_rows, r // tile],
+  * 8-bit ("C8", docs/ops.md §9.1): a `C8Latent(values [num_rows, r], scales fp32 [num_rows, r // tile],
     k_pe [num_rows, rho])` — symmetric int8 or float8_e4m3fn (the values' dtype) per `tile` latent values (128 in
     the spec; `tile = r` gives one scale per row), round-half-even, zero tile => scale 1; k_pe is never quantised.
     The three may be strided views of one byte page (PagePool's fused 656-byte layout).

@@ -1,4 +1,4 @@
-"""Rotary position rotations: stateless ops on q / k given cos and sin tables (model.md §9.6)."""
+"""Rotary position rotations: stateless ops on q / k given cos and sin tables (docs/model.md §9.6)."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics (serving.md §11): the `deltaserve:` family, in a registry owned by one `Metrics` object.
+"""Prometheus metrics (docs/serving.md §11): the `deltaserve:` family, in a registry owned by one `Metrics` object.
 
 Nothing is registered globally, so several servers (or tests) can live in one process. Counters are created without
 the `_total` suffix because prometheus_client appends it: the exposed names are exactly `deltaserve:*_total`.

@@ -102,9 +102,9 @@ def _parse(stream: "_StreamBase", token_ids: Iterable[int]) -> ParsedOutput:
 
 
 def default_call_id(name: str, index: int) -> str:
-    """Deterministic OpenAI tool-call id: Kimi's `functions.{name}:{0-based call index}` (chat.md §4).
+    """Deterministic OpenAI tool-call id: Kimi's `functions.{name}:{0-based call index}` (docs/chat.md §4).
 
-    For K3, chat.md §3.5 suggests random `call_…` ids plus a map to the renderer's `"{name}:{index-1}"` alias; a
+    For K3, docs/chat.md §3.5 suggests random `call_…` ids plus a map to the renderer's `"{name}:{index-1}"` alias; a
     deterministic id needs no map: clients echo it in the assistant history and in `tool_call_id`, where the
     renderer matches it exactly (and its `name:position` alias still works for clients that rewrite ids).
     """

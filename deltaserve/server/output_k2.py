@@ -1,4 +1,4 @@
-"""K2 / Kimi-Linear output parser (chat.md §4) and the plain fallback for families without markers."""
+"""K2 / Kimi-Linear output parser (docs/chat.md §4) and the plain fallback for families without markers."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ _K2_ID_RE = re.compile(r"^(?P<name>.+):\d+$", re.S)
 
 
 def k2_name_from_id(call_id: str) -> str:
-    """`functions.NAME:IDX` -> NAME (the part between `functions.` and the final `:N`, chat.md §4)."""
+    """`functions.NAME:IDX` -> NAME (the part between `functions.` and the final `:N`, docs/chat.md §4)."""
     m = _K2_ID_RE.match(call_id)
     name = m.group("name") if m else call_id
     return name.removeprefix("functions.")
 
 
 class K2StreamParser(_StreamBase):
-    """Incremental K2 / Kimi-Linear parser on token ids (chat.md §4).
+    """Incremental K2 / Kimi-Linear parser on token ids (docs/chat.md §4).
 
     Thinking mode starts in reasoning (the K2-Thinking prompt may or may not contain `<think>`; a generated
     `<think>` is dropped); reasoning ends at `</think>` or at `<|tool_calls_section_begin|>`. Each

@@ -1,4 +1,4 @@
-"""K3 / K3.1 XTML output parser on token ids (chat.md §3.4–3.6)."""
+"""K3 / K3.1 XTML output parser on token ids (docs/chat.md §3.4–3.6)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _parse_header(header: str) -> tuple[str, dict[str, str]]:
 
 
 class K3StreamParser(_StreamBase):
-    """Incremental K3 XTML output parser on token ids (chat.md §3.4–3.6).
+    """Incremental K3 XTML output parser on token ids (docs/chat.md §3.4–3.6).
 
     States: `reasoning` (thinking mode starts here: the think opener is in the prompt), `content` (the response
     channel; thinking disabled starts here), `top` (between channels), `tools`, `call`, `argument`, `json`, `done`.
@@ -37,7 +37,7 @@ class K3StreamParser(_StreamBase):
     * stray text between channels is content; unknown elements have their markers dropped;
     * arguments: `type="string"` -> the raw text; other types -> JSON-decoded (raw text kept as a string if it is not
       valid JSON); the call's `arguments_json` is the compact JSON object of its arguments in order, first
-      occurrence of a key winning; a `json` element (history fallback form, chat.md §3.3) gives the arguments
+      occurrence of a key winning; a `json` element (history fallback form, docs/chat.md §3.3) gives the arguments
       verbatim; a call without a `tool` attribute is dropped;
     * `<|close|>message<|sep|>`, `<|end_of_msg|>` or `[EOS]` ends parsing.
     """

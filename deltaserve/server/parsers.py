@@ -1,6 +1,6 @@
-"""Model output -> `reasoning_content`, `content`, `tool_calls` (chat.md §3.4–3.6 for K3, §4 for K2/Kimi-Linear).
+"""Model output -> `reasoning_content`, `content`, `tool_calls` (docs/chat.md §3.4–3.6 for K3, §4 for K2/Kimi-Linear).
 
-Both parsers work on **token ids** (chat.md §3.6): structural markers are special ids that user, tool and model
+Both parsers work on **token ids** (docs/chat.md §3.6): structural markers are special ids that user, tool and model
 text can never produce, so parsing is a state machine keyed on those ids that decodes only the text between them.
 The result does not depend on `skip_special_tokens` or on spacing between special tokens, and a string argument
 that literally contains `<|close|>argument<|sep|>` is parsed correctly.
@@ -12,7 +12,7 @@ Streaming rules:
 * reasoning and content are emitted as soon as their bytes form complete UTF-8 characters (an incomplete character
   is held back until its marker or `finish()`, then becomes U+FFFD, like `Tokenizer.decode`);
 * a tool call is emitted only once its closing marker has arrived, as one delta carrying `index`, `id`, `name` and the
-  whole `arguments` JSON (chat.md §3.5, vLLM behaviour); a call cut off by `max_tokens` is never emitted. With
+  whole `arguments` JSON (docs/chat.md §3.5, vLLM behaviour); a call cut off by `max_tokens` is never emitted. With
   `stream_arguments=True` the first delta of a call (`index`, `id`, `name`, `arguments=""`) is sent when the call
   opens and argument fragments follow as they are generated (string values character by character); a call that
   is cut off or malformed is then left unfinished in the stream while `parse` drops it — the only case where the

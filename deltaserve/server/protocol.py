@@ -1,4 +1,4 @@
-"""OpenAI-compatible request / response models (serving.md §10), with vLLM's field names and defaults.
+"""OpenAI-compatible request / response models (docs/serving.md §10), with vLLM's field names and defaults.
 
 Requests ignore unknown fields (as OpenAI and vLLM do) but reject wrong types and out-of-range values at parse time:
 numbers, ints and bools are strict (`"0.5"`, `true` or `5.0` are not accepted where a float / int / bool is expected;

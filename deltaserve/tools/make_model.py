@@ -22,7 +22,7 @@ FP32_LEAVES = ("A_log", "dt_bias", "_conv1d.weight", "e_score_correction_bias")
 
 
 def build_random(config: ModelConfig, seed: int) -> torch.nn.Module:
-    """The family's model with seeded weights scaled as in oracles.md §3.1 (matrices ~ fan_in^-1/2, norms near 1),
+    """The family's model with seeded weights scaled as in docs/oracles.md §3.1 (matrices ~ fan_in^-1/2, norms near 1),
     KDA decay parameters initialised as FLA does, so activations stay O(1) through the stack."""
     gen = torch.Generator().manual_seed(seed)
     model = model_class(config)(config)

@@ -18,7 +18,7 @@ class Preset:
     dtype: str = "bfloat16"
 
 
-# compressed-tensors block of the released checkpoints: routed experts only, E2M1 + E8M0 per 32 (ops.md §8).
+# compressed-tensors block of the released checkpoints: routed experts only, E2M1 + E8M0 per 32 (docs/ops.md §8).
 MXFP4_EXPERTS_QUANT_CONFIG = {
     "quant_method": "compressed-tensors",
     "format": "mxfp4-pack-quantized",

@@ -1,6 +1,6 @@
 """Write real-layout Kimi tokenizer files (``tiktoken.model`` + ``tokenizer_config.json``) for small test models.
 
-Layout matches the checkpoints (chat.md §1.1–1.3): ranks 0..255 are the single bytes in byte order, then merges
+Layout matches the checkpoints (docs/chat.md §1.1–1.3): ranks 0..255 are the single bytes in byte order, then merges
 learned by a deterministic byte-level BPE trainer, then 256 special ids at the real offsets (real id - 163584).
 
 Pre-tokenisation: tiktoken does not expose its splitter, so training splits with the ``regex`` module (a tiktoken
@@ -40,7 +40,7 @@ _K2_SPECIALS: dict[str, int] = {
     "<|media_end|>": 20, "<|media_pad|>": 21, "<think>": 22, "</think>": 23, "[UNK]": 254, "[PAD]": 255,
 }  # fmt: skip
 
-# K2-Instruct-style template (chat.md §4), written for test models. Tool results use the K2-Thinking
+# K2-Instruct-style template (docs/chat.md §4), written for test models. Tool results use the K2-Thinking
 # "## Return of" form; the image opener is spelled <|media_begin|> because that is the name in this table.
 K2_CHAT_TEMPLATE = """\
 {%- if tools -%}
@@ -276,7 +276,7 @@ def tokenizer_config(family: str, num_bpe_ranks: int, model_max_length: int = 13
         "tokenizer_class": "TikTokenTokenizer",
         "unk_token": "[UNK]",
     }
-    if family != "kimi_k3":  # K3's renderer is code, not Jinja (chat.md §2)
+    if family != "kimi_k3":  # K3's renderer is code, not Jinja (docs/chat.md §2)
         config["chat_template"] = K2_CHAT_TEMPLATE
     return config
 

@@ -140,7 +140,7 @@ static void delta_rule_token(float *S, int64_t K, const float *ekq, const float 
         for (int64_t c = 0; c < K; c++) S[r * K + c] = d[r] * S[r * K + c] + k[r] * delta[c];
 }
 
-/* KDA over the tokens of several sequences, from the projections to the core output (model.md §8.2, §8.5): per
+/* KDA over the tokens of several sequences, from the projections to the core output (docs/model.md §8.2, §8.5): per
  * token, the short convs of q, k, v over the slot's window (SiLU, rounded to the input dtype as the torch conv
  * returns it), q and k L2-normalised in fp32 (eps 1e-6 inside the sqrt), q scaled, then the gated delta rule on
  * the slot's fp32 state [H, K, K] in place: S' = D S + k d^T with D = diag(e^g), d = beta (v - S^T (e^g k)),
@@ -358,7 +358,7 @@ static void qsfa_accumulate(float *o, int64_t nh, int64_t r, const float *p, con
     }
 }
 
-/* Sparse absorbed MLA attention (QSFA, ops.md §4.5) over bf16 or fp32 latent rows: for query t and head h, the
+/* Sparse absorbed MLA attention (QSFA, docs/ops.md §4.5) over bf16 or fp32 latent rows: for query t and head h, the
  * softmax over its selected rows j (selected[t, :] up to the first -1) of scale (q_lat[t,h] . c_j + q_pe[t,h] .
  * kpe_j), out_lat[t,h] = sum_j p_j c_j and lse[t,h] = log sum_j exp(score_j) (-inf and a zero output when no row
  * is selected). q_lat [T, H, r], q_pe [T, H, rho] fp32 contiguous; latent rows [c | kpe] of width r + rho at
@@ -441,7 +441,7 @@ int ds_qsfa(int64_t T, int64_t H, int64_t r, int64_t rho, const float *q_lat, co
     return 0;
 }
 
-/* KDA's gated output norm (model.md §8.7) in the reference rounding order: per row of K values, x = bf16(core)
+/* KDA's gated output norm (docs/model.md §8.7) in the reference rounding order: per row of K values, x = bf16(core)
  * (the core output cast to the model dtype), y = w * (x * rsqrt(mean(x^2) + eps)) in fp32, out = bf16(y *
  * sigmoid(gate)). core [R, K] fp32 contiguous; gate rows [R, K] bf16 at row stride ldg; w [K] fp32; out [R, K]. */
 void ds_gated_rmsnorm_bf16(const float *core, int64_t R, int64_t K, const bf16 *gate, int64_t ldg, const float *w,
@@ -463,7 +463,7 @@ void ds_gated_rmsnorm_bf16(const float *core, int64_t R, int64_t K, const bf16 *
     }
 }
 
-/* KDA's forget gate and beta (model.md §8.3) for T tokens: u = bf16 f_b_proj output [T, H K] (row stride ldu) +
+/* KDA's forget gate and beta (docs/model.md §8.3) for T tokens: u = bf16 f_b_proj output [T, H K] (row stride ldu) +
  * dt_bias, a = exp(A_log[h]); g = -a softplus(u) (softplus(u) = u above 20), or, with a lower bound λ (not NaN),
  * λ sigmoid(a u); beta = sigmoid(b) for the bf16 b_proj output [T, H] (row stride ldb). g [T, H, K] and
  * beta [T, H] fp32. Twin: ops/kda.py kda_gate and torch.sigmoid (equal to fp32 rounding). */
@@ -495,7 +495,7 @@ void ds_kda_gate(const bf16 *u, int64_t ldu, const bf16 *b, int64_t ldb, int64_t
     }
 }
 
-/* AttnRes depth mixing (model.md §5.3) of S bf16 sources [N, D] (contiguous; src holds their addresses): per row,
+/* AttnRes depth mixing (docs/model.md §5.3) of S bf16 sources [N, D] (contiguous; src holds their addresses): per row,
  * s_i = rsqrt(mean(v_i^2) + eps) * <v_i, norm_w * query>, alpha = softmax_i(s), out = bf16(sum_i alpha_i v_i) in
  * fp32. norm_w and query [D] bf16. Twin: ops/attn_res.py attn_res_mix (equal to fp32 rounding). */
 void ds_attn_res_mix(const int64_t *src, int64_t S, int64_t N, int64_t D, const bf16 *norm_w, const bf16 *query,

@@ -1,5 +1,5 @@
 /* The lightning indexer's selection for one decode token over unquantised keys (ops/qli.py qli_topk with
- * quantized=False, rotate=False; model.md §9.4-9.5), for the fused DSA block past the indexer's top-k. */
+ * quantized=False, rotate=False; docs/model.md §9.4-9.5), for the fused DSA block past the indexer's top-k. */
 #include "kernels.h"
 
 typedef struct {

@@ -136,7 +136,7 @@ int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, con
     return 0;
 }
 
-/* RMSNorm of bf16 rows in the reference rounding order (model.md §3): out = w * bf16(x * rsqrt(mean(x^2) + eps)),
+/* RMSNorm of bf16 rows in the reference rounding order (docs/model.md §3): out = w * bf16(x * rsqrt(mean(x^2) + eps)),
  * statistics in fp32, the product with the bf16 weight rounded once. x [M, D] at row stride ldx; out [M, D]. */
 void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf16 *w, float eps, bf16 *out,
                      int nthreads) {
@@ -254,7 +254,7 @@ static void route_token(const float *logits, const float *bias, int64_t E, int s
     for (int64_t j = 0; j < k; j++) weights[j] = (renorm ? s[idx[j]] / (wsum + 1e-20f) : s[idx[j]]) * scale;
 }
 
-/* The MoE router of model.md §10 for T bf16 rows x (row stride ldx): fp32 logits against the fp32 weight
+/* The MoE router of docs/model.md §10 for T bf16 rows x (row stride ldx): fp32 logits against the fp32 weight
  * w [E, D], scores sigmoid (softmax != 0: softmax), choice = scores + bias; with ngroups > 1 only the topk_group
  * groups of highest top-2 choice sum stay eligible; the k experts of highest choice (ties to the lower id), their
  * scores renormalised to sum 1 (renorm != 0, + 1e-20) and times scale. experts int64 [T, k], weights fp32 [T, k].
