@@ -180,3 +180,18 @@ def test_only_the_exact_api_key_gets_in(server):
         assert r.json()["error"]["type"] == "AuthenticationError"
     assert httpx.get(url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 200
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_tokenize_returns_token_strings_when_asked(http, checkpoint):
+    from deltaserve import load_tokenizer
+
+    tok = load_tokenizer(checkpoint)
+    plain = post(http, "/tokenize", {"prompt": "def f(x):\n    return x"})
+    assert "token_strs" not in plain
+    out = post(http, "/tokenize", {"prompt": "def f(x):\n    return x", "return_token_strs": True})
+    assert out["tokens"] == plain["tokens"] and len(out["token_strs"]) == out["count"]
+    assert out["token_strs"] == [tok.id_to_token(t) for t in out["tokens"]]
+    assert b"".join(tok.id_to_bytes(t) for t in out["tokens"]) == b"def f(x):\n    return x"
+    chat = post(http, "/tokenize", {"messages": CHAT, "return_token_strs": True})
+    specials = [s for t, s in zip(chat["tokens"], chat["token_strs"]) if tok.is_special(t)]
+    assert specials and all(s in tok.special_tokens for s in specials)

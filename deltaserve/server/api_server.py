@@ -157,7 +157,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         ids = state.prompt_ids_for_tokenize(req)
-        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:  # as vLLM: special names, and BPE tokens in the byte-level string form
+            out["token_strs"] = [state.tokenizer.id_to_token(t) for t in ids]
+        return out
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
