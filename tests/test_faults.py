@@ -60,6 +60,14 @@ def tokens(out) -> list[list[int]]:
     return [c.token_ids for c in out.outputs]
 
 
+def assert_goes_on(eng, baseline) -> None:
+    """The pools are free and the engine goes on: the prompts without the trigger run again to the same tokens."""
+    assert_all_free(eng)
+    again = run(eng, {"a2": PROMPTS["a"], "c2": PROMPTS["c"]})
+    assert tokens(again["a2"]) == baseline["a"] and tokens(again["c2"]) == baseline["c"]
+    assert_all_free(eng)
+
+
 @pytest.fixture(scope="module")
 def baseline(checkpoint) -> dict:
     eng = engine(checkpoint)
@@ -81,11 +89,8 @@ def test_one_request_fails_the_others_are_untouched(checkpoint, baseline, phase)
         assert done[rid].error is None
         assert tokens(done[rid]) == baseline[rid], f"{rid} changed when b failed in {phase}"
         assert [c.finish_reason for c in done[rid].outputs] == ["length"]
-    assert_all_free(eng)
-    # the engine goes on: the same prompts without the trigger run again to the same tokens
-    again = run(eng, {"a2": PROMPTS["a"], "c2": PROMPTS["c"]})
-    assert tokens(again["a2"]) == baseline["a"] and tokens(again["c2"]) == baseline["c"]
-    assert_all_free(eng)
+    assert_goes_on(eng, baseline)
+
 
 
 def test_failure_inside_the_batched_model_fails_the_batch_and_the_engine_goes_on(checkpoint, baseline):
@@ -93,10 +98,7 @@ def test_failure_inside_the_batched_model_fails_the_batch_and_the_engine_goes_on
     done = run(eng, PROMPTS)
     # all three were scheduled in the same first step: the model call that failed held every row
     assert all(out.error is not None and "model" in out.error for out in done.values()), done
-    assert_all_free(eng)
-    again = run(eng, {"a2": PROMPTS["a"], "c2": PROMPTS["c"]})
-    assert tokens(again["a2"]) == baseline["a"] and tokens(again["c2"]) == baseline["c"]
-    assert_all_free(eng)
+    assert_goes_on(eng, baseline)
 
 
 def test_a_request_failing_mid_decode_frees_what_it_held(checkpoint, baseline):
