@@ -82,3 +82,22 @@ def test_every_entry_point_has_the_contract_signature():
     for name, (argtypes, restype) in signatures.items():
         function = getattr(lib, name)
         assert (list(function.argtypes), function.restype) == (argtypes, restype), name
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text()
+    return set(re.search(r"^flags\s*:(.*)$", text, re.M).group(1).split())
+
+
+def test_a_build_reports_the_instruction_sets_it_was_compiled_for():
+    """The library built for this CPU takes the AVX-512 (BF16, AMX) forms exactly where the CPU has them; a build for
+    plain x86-64-v3 (AVX2, as most laptops) compiles the kernels' portable forms and says so."""
+    lib = native.native_library()
+    assert lib is not None, "the kernels did not build"
+    flags, isa = _cpu_flags(), lib.ds_vector_isa()
+    assert bool(isa & contract.ISA_AVX512F) == ("avx512f" in flags)
+    assert bool(isa & contract.ISA_AVX512BF16) == ("avx512_bf16" in flags)
+    assert bool(isa & contract.ISA_AMX_BF16) == ("amx_bf16" in flags and "amx_tile" in flags)
+    v3 = native.build_library([f if f != "-march=native" else "-march=x86-64-v3" for f in native.FLAGS])
+    assert v3 is not None, "the sources do not compile without AVX-512"
+    assert v3.ds_vector_isa() == 0

@@ -1,12 +1,13 @@
 """The native CPU kernels (`native_src/`: products.c, experts.c, tiles.c, attention.c, blocks.c, indexer.c, stack.c,
-sampling.c, common.h, kernels.h, contract.h): built once per machine, loaded through ctypes with the entry points'
+sampling.c, isa.c, common.h, kernels.h, contract.h): built once per machine, loaded through ctypes with the entry points'
 signatures of ops/native_contract.py. On CPUs with AMX-BF16 the column-packed products (linears above 4 rows, the
 routed and shared experts) run on the tile unit from 4 rows up (`tiles_usable`).
 
 The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
 into the cache folder (`envs.cache_dir()`), under a name that hashes the sources, the flags and the compiler, so
 an edit or a different machine builds anew; a concurrent build by another process is harmless (atomic rename).
-Without a compiler `native_library()` returns None and every caller keeps its torch path.
+Without a compiler `native_library()` returns None and every caller keeps its torch path. On a CPU without
+AVX-512 BF16 (AVX2-only x86, ARM) the kernels' portable forms compile; the log says which forms were built.
 
 The wrappers take torch tensors and check what the C side assumes (bf16, CPU, contiguous rows); the reference
 twins are `F.linear`, the torch MoE dispatch and router in `layers/moe.py` and the torch norms (tests/test_native.py
@@ -23,6 +24,7 @@ import hashlib
 import logging
 import mmap
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .. import envs
-from .native_contract import LinearTask, set_signatures
+from .native_contract import ISA_AMX_BF16, ISA_AVX512BF16, LinearTask, set_signatures
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +48,31 @@ def compiler() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def native_library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None when no compiler or the build fails (logged once)."""
+    """The loaded kernels, or None when there is no compiler or the build fails (logged once). The log also says
+    what the build is vectorised for: the kernels are written for AVX-512 with BF16 pairs (and AMX tiles); on other
+    CPUs (AVX2-only x86, ARM) their portable forms compile, vectorised as far as the compiler manages."""
+    lib = build_library(FLAGS)
+    if lib is None:
+        return None
+    isa = lib.ds_vector_isa()
+    if isa & ISA_AVX512BF16:
+        log.info("native kernels: AVX-512 BF16%s", " and AMX-BF16 tiles" if isa & ISA_AMX_BF16 else "")
+    else:
+        log.info("native kernels: this CPU (%s) lacks AVX-512 BF16, so their portable forms run, as the compiler "
+                 "vectorises them for it; --no-native-kernels runs torch's instead", platform.machine() or "unknown")
+    return lib
+
+
+def build_library(flags: list[str]) -> ctypes.CDLL | None:
+    """The kernels compiled with `flags` and loaded, or None when there is no compiler or the build fails (logged).
+    Built once into the cache folder, under a name that hashes the sources, the flags and the compiler."""
     cc = compiler()
     if cc is None:
         log.warning("no C compiler: native decode kernels off, torch paths used")
         return None
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     files = sorted(SOURCES.glob("*.[ch]"))
-    digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
+    digest = hashlib.sha256(" ".join(flags).encode() + version.encode())
     for f in files:
         digest.update(f.name.encode() + f.read_bytes())
     key = digest.hexdigest()[:16]
@@ -67,7 +86,7 @@ def native_library() -> ctypes.CDLL | None:
             return None
         os.close(fd)
         sources = [str(f) for f in files if f.suffix == ".c"]
-        build = subprocess.run([cc, *FLAGS, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
+        build = subprocess.run([cc, *flags, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
         if build.returncode != 0:
             os.unlink(tmp)
             log.warning("building the native kernels failed, torch paths used:\n%s", build.stderr[-2000:])

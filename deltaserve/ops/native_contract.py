@@ -46,10 +46,14 @@ TILE_MIN_ROWS = 4
 MAX_MIX_SOURCES = 64
 # The decode-stack program's op kinds (`StackOp.kind`): the four fused blocks and an AttnRes mix.
 SOP_KDA, SOP_MLA, SOP_DSA, SOP_FFN, SOP_MIX = 1, 2, 3, 4, 5
+# The vector instruction sets a build of the library was compiled for (`ds_vector_isa`, a bit each): the kernels
+# are written for AVX-512 with BF16 pairs (and AMX tiles above a few rows); without them their portable forms
+# compile instead.
+ISA_AVX512F, ISA_AVX512BF16, ISA_AMX_BF16 = 1, 2, 4
 
 CONSTANTS = {name: globals()[name] for name in ("LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "TILE_MIN_ROWS",
                                                 "MAX_MIX_SOURCES", "SOP_KDA", "SOP_MLA", "SOP_DSA", "SOP_FFN",
-                                                "SOP_MIX")}
+                                                "SOP_MIX", "ISA_AVX512F", "ISA_AVX512BF16", "ISA_AMX_BF16")}
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,7 @@ void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const b
 void ds_heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const bf16 *w,
     int64_t N, bf16 *out, int tiles, int nthreads);
 int ds_tiles_usable(void);
+int ds_vector_isa(void);
 void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf16 *w, float eps, bf16 *out,
     int nthreads);
 void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,

@@ -21,7 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h> /* every use of an intrinsic sits under the feature macro it needs */
+#endif
 
 typedef uint16_t bf16;
 
@@ -41,8 +43,8 @@ typedef uint16_t bf16;
  * always_inline: as a plain inline function inside the always-inline tiles, gcc dropped both prefetches (none left
  * in dot_tile or outer_tile, and batch-1 decode slowed down markedly). */
 static inline __attribute__((always_inline)) void ask_stream(const void *p) {
-    _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T1);
-    _mm_prefetch((const char *)p + PREFETCH_L1_BYTES, _MM_HINT_T0);
+    __builtin_prefetch((const char *)p + PREFETCH_BYTES, 0, 2);    /* prefetcht1 on x86 */
+    __builtin_prefetch((const char *)p + PREFETCH_L1_BYTES, 0, 3); /* prefetcht0 */
 }
 
 static inline float bf16_to_f32(bf16 v) {

@@ -15,6 +15,9 @@
 #define SOP_DSA 3
 #define SOP_FFN 4
 #define SOP_MIX 5
+#define ISA_AVX512F 1
+#define ISA_AVX512BF16 2
+#define ISA_AMX_BF16 4
 
 /* One product of ds_linear_bf16: y [M, n] (row stride ldy) = x [M, K] (row stride ldx) @ W^T for W [n, K] row-major
  * (row stride ldw) or packed by pack_rows (ldw -1); the tasks of a call may share x (several weights over one input)
@@ -200,6 +203,7 @@ void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const b
 void ds_heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const bf16 *w,
     int64_t N, bf16 *out, int tiles, int nthreads);
 int ds_tiles_usable(void);
+int ds_vector_isa(void);
 void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf16 *w, float eps, bf16 *out,
     int nthreads);
 void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
