@@ -1,6 +1,6 @@
 """The native CPU kernels (`native_src/`: products.c, experts.c, tiles.c, attention.c, blocks.c, indexer.c, stack.c,
-sampling.c, isa.c, common.h, kernels.h, contract.h): built once per machine, loaded through ctypes with the entry points'
-signatures of ops/native_contract.py. On CPUs with AMX-BF16 the column-packed products (linears above 4 rows, the
+sampling.c, isa.c, common.h, kernels.h, contract.h): built once per machine, loaded through ctypes with the entry
+points' signatures of ops/native_contract.py. On CPUs with AMX-BF16 the column-packed products (linears above 4 rows, the
 routed and shared experts) run on the tile unit from 4 rows up (`tiles_usable`).
 
 The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
