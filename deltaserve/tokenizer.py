@@ -1,4 +1,5 @@
-"""Kimi tiktoken tokenizer (docs/chat.md §1): ``tiktoken.model`` BPE ranks + 256 special ids from ``tokenizer_config.json``.
+"""Kimi tiktoken tokenizer (docs/chat.md §1): ``tiktoken.model`` BPE ranks + 256 special ids from
+``tokenizer_config.json``.
 
 Contract:
 * ids ``0 .. num_bpe_ranks-1`` are BPE tokens, ``num_bpe_ranks .. num_bpe_ranks+255`` are specials; named ones come

@@ -6,9 +6,9 @@ Nothing here imports deltaserve. Tensors are read with `safetensors.safe_open`, 
 Pieces:
 * KDA core: FLA's `naive_recurrent_kda` loaded by file path (docs/oracles.md §2); short conv, K3 lower-bound gate,
   β, L2 norm and the gated output norm (full-rank `g_proj`) by hand (docs/model.md §8).
-* NoPE gated MLA in the expanded form (docs/model.md §9.1–9.2), q_a/kv_a norms with eps 1e-6 (docs/model.md §16), and the
-  K3.1 lightning indexer (docs/model.md §9.4–9.5: no RoPE, LayerNorm k_norm with eps = rms_norm_eps, weights × H_I^-1/2,
-  scores × D_I^-1/2, score desc then larger position first, all candidates when n_t ≤ top-k) applied as an
+* NoPE gated MLA in the expanded form (docs/model.md §9.1–9.2), q_a/kv_a norms with eps 1e-6 (docs/model.md §16), and
+  the K3.1 lightning indexer (docs/model.md §9.4–9.5: no RoPE, LayerNorm k_norm with eps = rms_norm_eps, weights ×
+  H_I^-1/2, scores × D_I^-1/2, score desc then larger position first, all candidates when n_t ≤ top-k) applied as an
   additive mask over positions 0..t.
 * AttnRes: the §5.3 loop with Mix of §5.2.
 * SiTU dense MLP (§6), router (§10) and latent MoE (§11.1) with explicit loops over tokens and selected experts.

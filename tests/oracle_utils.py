@@ -83,7 +83,8 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_ma
 
 
 def deepseek_v3_config(yarn: bool = False, **overrides):
-    """docs/oracles.md §3.3: 3 layers, MLA q_lora 48, pair-interleaved RoPE (optionally YaRN), 4 groups / top-2 groups."""
+    """docs/oracles.md §3.3: 3 layers, MLA q_lora 48, pair-interleaved RoPE (optionally YaRN), 4 groups / top-2
+    groups."""
     from transformers import DeepseekV3Config
 
     kw = dict(_DEEPSEEK, rope_interleave=True)

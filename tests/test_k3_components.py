@@ -2,8 +2,9 @@
 
 Each check compares deltaserve's op or module (used as a black box) with a hand-written transcription of the spec
 formula from tests/k3_reference.py (which never imports deltaserve), plus the properties of docs/oracles.md §7:
-AttnRes (§7.1, docs/model.md §5), SiTU (§7.2, docs/model.md §6), router + latent MoE (§7.3, docs/model.md §10–11), gated MLA
-(§7.4, docs/model.md §9.2), KDA with the K3 gates (§7.5, docs/model.md §8) and the K3.1 indexer (§7.7, docs/model.md §9.4–9.5).
+AttnRes (§7.1, docs/model.md §5), SiTU (§7.2, docs/model.md §6), router + latent MoE (§7.3, docs/model.md §10–11),
+gated MLA (§7.4, docs/model.md §9.2), KDA with the K3 gates (§7.5, docs/model.md §8) and the K3.1 indexer (§7.7,
+docs/model.md §9.4–9.5).
 """
 
 from __future__ import annotations

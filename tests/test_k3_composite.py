@@ -1,7 +1,7 @@
-"""deltaserve's full K3 / K3.1 forward against the composite fp32 reference of docs/oracles.md §8 (tests/k3_reference.py),
-built from the checkpoint tensors and the spec formulas only: FLA-naive KDA core + hand K3 gates, NoPE gated MLA with
-the K3.1 indexer, the §5.3 AttnRes loop, SiTU, router + latent MoE, final norm + lm_head; plus MTP (docs/model.md §13)
-and the A_log narrowing rule (docs/model.md §8.3)."""
+"""deltaserve's full K3 / K3.1 forward against the composite fp32 reference of docs/oracles.md §8
+(tests/k3_reference.py), built from the checkpoint tensors and the spec formulas only: FLA-naive KDA core + hand K3
+gates, NoPE gated MLA with the K3.1 indexer, the §5.3 AttnRes loop, SiTU, router + latent MoE, final norm + lm_head;
+plus MTP (docs/model.md §13) and the A_log narrowing rule (docs/model.md §8.3)."""
 
 from __future__ import annotations
 
@@ -155,8 +155,8 @@ def test_a_log_entries_beyond_heads_are_ignored(k31, k31_logits, tmp_path):
 
 
 def test_mtp_step_matches_hand_reference(k31):
-    """docs/model.md §13, one and two draft steps: zeroed embedding at position 0, enorm/hnorm, concat (embedding first),
-    eh_proj, ordinary-residual MLA + latent MoE block, shared_head norm + head; the pre-norm output chains."""
+    """docs/model.md §13, one and two draft steps: zeroed embedding at position 0, enorm/hnorm, concat (embedding
+    first), eh_proj, ordinary-residual MLA + latent MoE block, shared_head norm + head; the pre-norm output chains."""
     _, model, ref = k31
     assert model.mtp_available and len(model.mtp) == 1
     mtp = model.mtp[0]

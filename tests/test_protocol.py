@@ -1,4 +1,5 @@
-"""OpenAI protocol models (docs/serving.md §10), request limits and Prometheus metrics (§11): fast, no engine, no model."""
+"""OpenAI protocol models (docs/serving.md §10), request limits and Prometheus metrics (§11): fast, no engine, no
+model."""
 
 import argparse
 import asyncio

@@ -10,8 +10,8 @@ Kimi-Linear / K2 checkpoints carry a Jinja `chat_template` (§4), rendered in a 
 only the special spellings of the template's own source become special ids, so request text never does (template.py
 explains how).
 
-Byte-level choices that docs/chat.md leaves open ([R] / "to be confirmed against encoding_k3") are marked `[R]` in k3.py;
-the golden test of docs/chat.md §2 (ids from the checkpoint's own encoder) is the final word on them.
+Byte-level choices that docs/chat.md leaves open ([R] / "to be confirmed against encoding_k3") are marked `[R]` in
+k3.py; the golden test of docs/chat.md §2 (ids from the checkpoint's own encoder) is the final word on them.
 """
 
 from __future__ import annotations

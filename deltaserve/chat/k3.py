@@ -1,5 +1,5 @@
-"""Kimi K3 / K3.1 XTML chat renderer (docs/chat.md §3), native: markers are special ids, all message, tool, attribute and
-option text is encoded with every special disallowed (a literal `<|open|>` typed by a user stays ordinary text,
+"""Kimi K3 / K3.1 XTML chat renderer (docs/chat.md §3), native: markers are special ids, all message, tool, attribute
+and option text is encoded with every special disallowed (a literal `<|open|>` typed by a user stays ordinary text,
 §1.5). Text between two consecutive special ids is encoded as one piece, exactly as a tokenizer that splits the
 rendered string at the special tokens would encode it.
 

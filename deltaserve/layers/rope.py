@@ -1,4 +1,5 @@
-"""DeepSeek rotary embedding with optional YaRN scaling (docs/model.md §9.6). Kimi models are NoPE and never build one."""
+"""DeepSeek rotary embedding with optional YaRN scaling (docs/model.md §9.6). Kimi models are NoPE and never build
+one."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Gated activations of the MLPs and experts (docs/model.md §6). Both take the gate and up halves and return act(g, u)."""
+"""Gated activations of the MLPs and experts (docs/model.md §6). Both take the gate and up halves, return act(g, u)."""
 
 import torch
 

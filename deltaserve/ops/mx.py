@@ -1,5 +1,5 @@
-"""MX block formats (OCP Microscaling v1.0, docs/ops.md §7): MXFP8 (E4M3, E5M2) and MXFP4 (E2M1) elements in blocks of 32
-along the last dim, each block sharing one E8M0 scale stored as a uint8 biased exponent (2^(e-127), 255 = NaN).
+"""MX block formats (OCP Microscaling v1.0, docs/ops.md §7): MXFP8 (E4M3, E5M2) and MXFP4 (E2M1) elements in blocks of
+32 along the last dim, each block sharing one E8M0 scale stored as a uint8 biased exponent (2^(e-127), 255 = NaN).
 
 Storage: FP8 elements as torch float8 tensors [..., K]; FP4 elements packed two per byte, element 2j in the low
 nibble (the compressed-tensors `mxfp4-pack-quantized` layout of docs/ops.md §8 and torch `float4_e2m1fn_x2`);

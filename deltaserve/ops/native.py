@@ -279,8 +279,8 @@ def gated_rmsnorm_bf16(core: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
 
 def router_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, softmax: bool, groups: int,
                 topk_group: int, renorm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE router (layers/moe.py `Router`, docs/model.md §10) of bf16 rows x [T, D] (contiguous rows) against the fp32
-    weight [E, D] and correction bias [E]: (experts int64 [T, k], weights fp32 [T, k])."""
+    """The MoE router (layers/moe.py `Router`, docs/model.md §10) of bf16 rows x [T, D] (contiguous rows) against the
+    fp32 weight [E, D] and correction bias [E]: (experts int64 [T, k], weights fp32 [T, k])."""
     T, D = x.shape
     E = weight.shape[0]
     if not (_rows(x) and weight.dtype == bias.dtype == torch.float32 and weight.is_contiguous()

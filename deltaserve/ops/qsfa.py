@@ -1,4 +1,5 @@
-"""QSFA: sparse absorbed MLA attention over selected latent rows of a paged cache (docs/ops.md §4.1–4.2, docs/model.md §9.5).
+"""QSFA: sparse absorbed MLA attention over selected latent rows of a paged cache (docs/ops.md §4.1–4.2, docs/model.md
+§9.5).
 
 Used by the engine's fast DSA path and dense MLA decode (layers/mla.py). On the CPU, a full-precision cache goes
 through the native kernel (`native_src/attention.c`: one pass over each query's rows with a running max, no gathered
