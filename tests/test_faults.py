@@ -187,8 +187,15 @@ def gauge(srv, name: str) -> float:
     return float(m.group(1))
 
 
+def errors_counted(srv) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    m = re.search(r'^deltaserve:request_success_total\{finished_reason="error"\} ([0-9.eE+-]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_server_fails_only_the_faulty_requests(fault_server):
     srv = fault_server
+    errors_before = errors_counted(srv)
     alone = {k: completion(srv, PROMPTS[k]) for k in ("a", "c")}
     assert all(r.status_code == 200 for r in alone.values())
     expected = {k: r.json()["choices"][0]["text"] for k, r in alone.items()}
@@ -219,6 +226,7 @@ def test_server_fails_only_the_faulty_requests(fault_server):
         assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]
                        for e in events), "a failed stream claims to have finished"
     assert wait_until(lambda: all_free(srv), 5, 0.1), integrity(srv)
+    assert errors_counted(srv) - errors_before == 4, "each failed request is counted once, as finished by error"
     assert completion(srv, PROMPTS["a"]).json()["choices"][0]["text"] == expected["a"]
 
 

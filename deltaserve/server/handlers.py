@@ -120,16 +120,21 @@ async def _tracked(state: ServerState, request_id: str, prompt: str | None, ids:
     first = True
     final = None
     async with aclosing(state.engine.generate(request_id, prompt, ids, params, cache_salt, client)) as outputs:
-        async for out in outputs:
-            now = time.monotonic()
-            if first:
-                state.metrics.on_first_token(now - start)
-                first = False
-            else:
-                state.metrics.on_token(now - last)
-            last = now
-            final = out
-            yield out
+        try:
+            async for out in outputs:
+                now = time.monotonic()
+                if first:
+                    state.metrics.on_first_token(now - start)
+                    first = False
+                else:
+                    state.metrics.on_token(now - last)
+                last = now
+                final = out
+                yield out
+        except RequestFailedError:  # failed inside the engine: counted as finished with reason "error"
+            state.metrics.on_finish("error", time.monotonic() - start, len(ids), 0,
+                                    sum(len(c.token_ids) for c in final.outputs) if final is not None else 0)
+            raise
     if final is not None:
         reasons = {c.finish_reason for c in final.outputs}
         state.metrics.on_finish(next(iter(reasons)) if len(reasons) == 1 else "stop", time.monotonic() - start,
