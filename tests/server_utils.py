@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -150,6 +151,33 @@ def run_server(model: str | Path, *args: str, api_key: str | None = None,
         log.close()
         with contextlib.suppress(OSError):
             os.unlink(log.name)
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def integrity(server) -> dict:
+    r = httpx.get(server.url + "/debug/integrity", headers=server.headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def all_free(server) -> dict | None:
+    """The integrity report when the pools are intact and every page and slot is free, else None."""
+    rep = integrity(server)
+    ok = rep["ok"] and rep["free_pages"] == rep["total_pages"] and rep["free_slots"] == rep["total_slots"]
+    return rep if ok else None
+
+
+def assert_all_free(server, timeout: float = 5.0) -> None:
+    rep = wait_until(lambda: all_free(server), timeout, 0.1)
+    assert rep, f"pool not intact / not all free after {timeout} s: {integrity(server)}"
+    assert rep["total_pages"] > 0 and rep["total_slots"] > 0, rep
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=30).text
+    m = re.search(rf"^{re.escape(name)} ([0-9.eE+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics:\n{text[:2000]}"
+    return float(m.group(1))
 
 
 # ------------------------------------------------------------------------------------------------ SSE

@@ -16,7 +16,8 @@ from deltaserve.engine.config import EngineArgs
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.errors import ConfigError, RequestFailedError
 
-from server_utils import iter_sse, run_server, wait_until
+from engine_utils import assert_pools_free
+from server_utils import all_free, integrity, iter_sse, metric, run_server, wait_until
 
 TRIGGER = 1000  # a token id only the failing request's prompt holds
 PROMPTS = {"a": [5, 6, 7, 8, 9, 10, 11], "b": [12, 13, TRIGGER, 14, 15], "c": [16, 17, 18, 19]}
@@ -49,23 +50,16 @@ def run(eng: LLMEngine, prompts: dict[str, list[int]], max_steps: int = 200) -> 
     return done
 
 
-def assert_all_free(eng: LLMEngine) -> None:
-    eng.check_integrity()
-    assert not eng.scheduler.running and not eng.scheduler.waiting
-    assert eng.pages.num_free == eng.pages.num_blocks, (eng.pages.num_free, eng.pages.num_blocks)
-    assert eng.states.num_free == eng.states.num_slots
-
-
 def tokens(out) -> list[list[int]]:
     return [c.token_ids for c in out.outputs]
 
 
 def assert_goes_on(eng, baseline) -> None:
     """The pools are free and the engine goes on: the prompts without the trigger run again to the same tokens."""
-    assert_all_free(eng)
+    assert_pools_free(eng)
     again = run(eng, {"a2": PROMPTS["a"], "c2": PROMPTS["c"]})
     assert tokens(again["a2"]) == baseline["a"] and tokens(again["c2"]) == baseline["c"]
-    assert_all_free(eng)
+    assert_pools_free(eng)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +67,7 @@ def baseline(checkpoint) -> dict:
     eng = engine(checkpoint)
     done = run(eng, PROMPTS)
     assert all(out.error is None for out in done.values())
-    assert_all_free(eng)
+    assert_pools_free(eng)
     return {rid: tokens(out) for rid, out in done.items()}
 
 
@@ -118,7 +112,7 @@ def test_a_request_failing_mid_decode_frees_what_it_held(checkpoint, baseline):
         eng.check_integrity()
     assert outs["b"].finished and outs["b"].error is not None
     assert tokens(outs["a"]) == baseline["a"]
-    assert_all_free(eng)
+    assert_pools_free(eng)
 
 
 def test_offline_generate_raises_typed_error_with_every_output(checkpoint, baseline):
@@ -128,7 +122,7 @@ def test_offline_generate_raises_typed_error_with_every_output(checkpoint, basel
     outs = info.value.outputs
     assert [o.error is not None for o in outs] == [False, True, False]
     assert outs[0].outputs[0].token_ids == baseline["a"][0] and outs[2].outputs[0].token_ids == baseline["c"][0]
-    assert_all_free(llm.engine)
+    assert_pools_free(llm.engine)
 
 
 @pytest.mark.parametrize("spec", ["forward", "nowhere:5", "sample:x", "sample:5,"])
@@ -167,24 +161,6 @@ def stream_events(srv, prompt: list[int], max_tokens: int = 12) -> list:
 def stream_text(events: list) -> str:
     assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
     return "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"])
-
-
-def integrity(srv) -> dict:
-    r = httpx.get(srv.url + "/debug/integrity", timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def all_free(srv) -> bool:
-    rep = integrity(srv)
-    return rep["ok"] and rep["free_pages"] == rep["total_pages"] and rep["free_slots"] == rep["total_slots"]
-
-
-def gauge(srv, name: str) -> float:
-    text = httpx.get(srv.url + "/metrics", timeout=30).text
-    m = re.search(rf"^deltaserve:{name} ([0-9.eE+-]+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def errors_counted(srv) -> float:
@@ -244,11 +220,11 @@ def test_disconnects_refresh_gauges_and_log_no_errors(fault_server):
             assert r.status_code == 200
             readers.append(iter_sse(r))
             assert isinstance(next(readers[-1]), dict) and isinstance(next(readers[-1]), dict)
-        assert wait_until(lambda: gauge(srv, "num_requests_running") == 4, 10, 0.05), \
-            gauge(srv, "num_requests_running")
+        assert wait_until(lambda: metric(srv, "deltaserve:num_requests_running") == 4, 10, 0.05), \
+            metric(srv, "deltaserve:num_requests_running")
     # every client is gone; with nothing left to step, the core still reports its idle stats
-    assert wait_until(lambda: gauge(srv, "num_requests_running") == 0, 5, 0.05), gauge(srv, "num_requests_running")
-    assert gauge(srv, "kv_cache_usage_perc") == 0
+    assert wait_until(lambda: metric(srv, "deltaserve:num_requests_running") == 0, 5, 0.05), metric(srv, "deltaserve:num_requests_running")
+    assert metric(srv, "deltaserve:kv_cache_usage_perc") == 0
     assert wait_until(lambda: all_free(srv), 5, 0.1), integrity(srv)
     log = srv.log_path.read_bytes()[log_start:].decode(errors="replace")
     assert "Traceback" not in log and "RuntimeError" not in log and "ERROR" not in log, log[-3000:]
