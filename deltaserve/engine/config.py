@@ -12,6 +12,7 @@ from ..errors import ConfigError
 from .faults import FaultInjector
 
 QUANTIZATIONS = ("w8a8-mxfp8", "w4a8-mxfp4", "mxfp")  # the schemes of layers/quantized.py
+BACKENDS = ("auto", "torch", "native")  # execution backends (backends/)
 CACHE_8BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # 8-bit cache value types (docs/ops.md §9)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
@@ -44,8 +45,7 @@ class EngineArgs:
     ops: str = "fast"  # "reference" runs every op's readable twin (debugging)
     kv_cache_dtype: str = "auto"  # MLA latent (+ indexer keys): "auto" (model dtype), "int8" or "fp8" (C8)
     index_cache_dtype: str = "auto"  # DSA indexer keys: "auto" (follow kv_cache_dtype), "int8"/"fp8", or "model"
-    prepack_weights: bool = True  # fast ops + bf16: pack weights once for oneDNN (layers/prepack.py)
-    native_kernels: bool = True  # fast ops + bf16: few-row products through ops/native_src (layers/native_path.py)
+    backend: str = "auto"  # "torch", "native", or "auto": native where the kernels suit the CPU (backends/select.py)
     quantization: str | None = None  # MX weights at load: "w8a8-mxfp8", "w4a8-mxfp4", "mxfp" (layers/quantized.py)
     seed: int = 0
     # Tests only: "PHASE:TOKEN_ID,..." raises inside that step phase for requests whose prompt holds the token
@@ -72,6 +72,10 @@ class EngineArgs:
             raise ConfigError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}")
         if self.ops not in ("fast", "reference"):
             raise ConfigError(f"ops must be 'fast' or 'reference', got {self.ops!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "native" and self.ops == "reference":
+            raise ConfigError("ops 'reference' runs on the torch backend; it cannot run with backend 'native'")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
@@ -112,11 +116,10 @@ class EngineArgs:
         parser.add_argument("--index-cache-dtype", choices=["auto", "model", *CACHE_8BIT], default=d.index_cache_dtype,
                             help="DSA indexer key cache alone: 8 bits after a Hadamard rotation, or the model dtype "
                                  "(default: as --kv-cache-dtype)")
-        parser.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
-                            help="do not keep bf16 weights packed for oneDNN (saves one copy of the linear weights)")
-        parser.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
-                            help="run decode-size bf16 products through oneDNN instead of the native kernels built "
-                                 "at first use with the system C compiler")
+        parser.add_argument("--backend", choices=BACKENDS, default=d.backend,
+                            help="how the model runs: 'native' (the CPU kernels built at first use with the system C "
+                                 "compiler), 'torch' (the modules), or 'auto' (native where the kernels suit this CPU; "
+                                 "the log and /version say which and why)")
         parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                             help="quantise at load: w8a8-mxfp8 (attention linears, shared experts, dense MLPs), "
                                  "w4a8-mxfp4 (routed experts) or mxfp (both); a quantised checkpoint needs none")

@@ -19,10 +19,8 @@ from ..cache.paged_cache import PagedCache
 from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
 from ..errors import ConfigError, DeltaserveError
-from ..layers.native_path import enable_native_kernels
-from ..layers.prepack import enable_prepacking
+from ..backends.select import select_backend
 from ..models.loader import DTYPES, load_model
-from ..ops.opset import get_ops
 from ..tokenizer import load_tokenizer
 from .config import EngineArgs
 from .faults import FaultInjector, InjectedFault, RequestFailure, RequestFault, describe
@@ -60,10 +58,8 @@ class EngineCore:
         self.args = args
         keep_freed_memory()  # activations stop being faulted in afresh every step (engine/heap.py)
         self.model = load_model(model_path, dtype=args.dtype, quantization=args.quantization)
-        if args.native_kernels and args.ops == "fast":  # first: experts on the kernels skip the oneDNN packs
-            log.info("native kernels for %d modules", enable_native_kernels(self.model))
-        if args.prepack_weights and args.ops == "fast":
-            log.info("prepacked the weights of %d modules for oneDNN", enable_prepacking(self.model))
+        self.backend = select_backend(args.backend, args.ops)
+        log.info("backend %s (%s): %s", self.backend.name, self.backend.reason, self.backend.prepare(self.model))
         config = self.config = self.model.config
         self.pages, self.states, self.checkpoints = _size_pools(config, args, DTYPES[args.dtype])
         self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)
@@ -76,7 +72,7 @@ class EngineCore:
         # Used by `bench quant` to compare distributions; None costs nothing.
         self.logits_observer: Callable[[list[Request], torch.Tensor], None] | None = None
         self.faults = FaultInjector.parse(args.fault_injection)
-        self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints), get_ops(args.ops),
+        self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints), self.backend,
                                   self.timer, self.faults)
         self.sampler = Sampler(seed=args.seed)
         self.eos_ids = set(load_tokenizer(model_path).stop_token_ids(config.eos_token_ids))

@@ -11,9 +11,9 @@ from typing import NamedTuple
 import torch
 
 from ..cache.paged_cache import PagedCache
+from ..backends import Backend
 from ..layers.batch import StepBatch
 from ..models.base import CausalLM
-from ..ops.opset import OpSet
 from ..ops.qli import StepIndexMeta, build_index_meta
 from .faults import FaultInjector, RequestFault
 from .request import Request
@@ -27,9 +27,9 @@ class ForwardOutput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: PagedCache, ops: OpSet, timer: StepTimer | None = None,
+    def __init__(self, model: CausalLM, cache: PagedCache, backend: Backend, timer: StepTimer | None = None,
                  faults: FaultInjector | None = None):
-        self.model, self.cache, self.ops = model, cache, ops
+        self.model, self.cache, self.backend, self.ops = model, cache, backend, backend.ops
         self.timer = timer or StepTimer()
         self.faults = faults
         self.device = next(model.parameters()).device
@@ -65,7 +65,7 @@ class ModelRunner:
     def _index_meta(self, plan: StepPlan, positions: torch.Tensor, query_start: list[int]) -> StepIndexMeta | None:
         """DSA metadata for the fast sparse path, built once per step and shared by every DSA layer."""
         config = self.model.config
-        if not config.has_dsa or self.ops.name != "fast":
+        if not config.has_dsa or self.ops.name == "reference":
             return None
         tables = [torch.tensor(req.block_ids, dtype=torch.long) for req, _ in plan.chunks]
         ctx_lens = [req.num_computed_tokens + n for req, n in plan.chunks]
@@ -79,7 +79,7 @@ class ModelRunner:
         with self.timer.phase("prepare"):
             ids, batch, rows, sampled = self.build_batch(plan)
         with self.timer.phase("model"):
-            h = self.model(ids, batch)
+            h = self.backend.forward(self.model, ids, batch)
             if self.faults is not None:
                 for req, _ in plan.chunks:
                     self.faults.check("model", req.request_id, req.prompt_ids)

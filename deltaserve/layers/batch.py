@@ -76,9 +76,9 @@ class StepBatch:
     @cached_property
     def decode_slots(self) -> torch.Tensor | None:
         """[B] int64 state slot of every sequence when this step is pure decode (one row per sequence, in order)
-        over a cache whose handles carry slots; else None. Built once per step, read by the decode stack and, through
-        `kda_sequences`, by every KDA layer's fused block, which also takes the step's prefix-cache snapshots: on
-        such a step each falls after its sequence's one token."""
+        over a cache whose handles carry slots; else None. Built once per step and read, through `kda_sequences`, by the
+        native program's KDA blocks, which also take the step's prefix-cache snapshots: on such a step each falls
+        after its sequence's one token."""
         return self._handle_slots if self._one_row_each() else None
 
     @cached_property
@@ -92,7 +92,7 @@ class StepBatch:
         """(sequence count, [B+1] int64 row offsets or None when each sequence has one row, [B] int64 state slots)
         of a step whose prefix-cache snapshots all fall at the end of their sequence's rows, over a cache whose
         handles carry slots (a pure decode step: `decode_slots`); else None, as when a snapshot cuts a chunk.
-        Built once per step, read by every KDA layer's fused block (layers/fused_attention.py)."""
+        Built once per step, read by the native program's KDA blocks (backends/native/program.py)."""
         if self.decode_slots is not None:
             return self.num_seqs, None, self.decode_slots
         B, slots = self.num_seqs, self._handle_slots
@@ -106,7 +106,7 @@ class StepBatch:
     def decode_context_rows(self) -> torch.Tensor | None:
         """[B, max context + 1] int64 flat cache rows of every sequence's positions up to this step's token, -1
         padded, when this step is pure decode over a paged cache (handles with `rows`); else None. Built once per
-        step, read by every dense MLA layer's fused block (layers/fused_blocks.py)."""
+        step, read by the native program's MLA and DSA blocks."""
         rows = [getattr(h, "rows", None) for h in self.handles] if self._one_row_each() else [None]
         if any(r is None for r in rows):
             return None

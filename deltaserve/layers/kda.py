@@ -10,11 +10,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.kda import l2_normalize
-from ..ops.kda_native import kda_gate_beta, kda_gate_beta_ref
-from ..ops.native import gated_rmsnorm_bf16
 from .batch import StepBatch
+from .derived import Derived
 from .linear import Linear
-from .prepack import Derived, PackedWeights, stacked_product
 from .norm import gated_rms_norm
 
 
@@ -42,54 +40,66 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K))
         self.o_proj = Linear(P, d)
-        self._inputs = PackedWeights()
         self._stacked_conv = Derived()
-        self.native = False  # the output norm through the native kernel (layers/native_path.py)
 
     def input_linears(self) -> list[nn.Module]:
         """The projections of the layer input, in the order their weights are stacked: q, k, v, f_a, b, g (or g_a)."""
         return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                 self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj]
 
-    def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """qkv [N, 3P] (the conv inputs q | k | v side by side), f_a, b and g (or g_a) of x. With one product over
-        the stacked weights, qkv is a column view of it (the conv kernels read rows at any stride: no copy)."""
-        linears = self.input_linears()
-        y = stacked_product(x, linears, self._inputs)
-        if y is None:
-            q_in, k_in, v_in, *rest = [m(x) for m in linears]
-            return torch.cat([q_in, k_in, v_in], dim=-1), *rest
-        rest = torch.split(y[:, 3 * self.P:], [m.weight.shape[0] for m in linears[3:]], dim=-1)
-        return y[:, :3 * self.P], *(part.contiguous() for part in rest)
+    def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """qkv [N, 3P] (the conv inputs q | k | v side by side), f_a, b and g (or g_a) of x."""
+        q_in, k_in, v_in, *rest = [m(x) for m in self.input_linears()]
+        return torch.cat([q_in, k_in, v_in], dim=-1), *rest
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        N, H, K = x.shape[0], self.H, self.K
-        qkv, f_a, b, g_in = self._input_projections(x)
-        # the native gate (vectorised exp and log1p; the fused blocks compute it the same way) at every size: one
-        # pass over the rows where torch runs a chain of elementwise ops, each a pass of its own
-        gate_beta = kda_gate_beta if self.native else kda_gate_beta_ref
-        g, beta = gate_beta(self.f_b_proj(f_a), b, self.dt_bias, self.A_log, self.config.kda_gate_lower_bound)
+        N = x.shape[0]
+        qkv, f_a, b, g_in = self.input_projections(x)
+        g, beta = batch.ops.kda_gate_beta(self.f_b_proj(f_a), b, self.dt_bias, self.A_log,
+                                          self.config.kda_gate_lower_bound)
         gate = g_in if self.config.kda_full_rank_gate else self.g_b_proj(g_in)
+        core = self.core(qkv, g, beta, batch)
+        return self.o_proj(self.output_norm(core, gate).reshape(N, self.P))
 
-        core = torch.empty(N, H, K, dtype=torch.float32, device=x.device)
+    def output_norm(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The gated output norm of the core output [N, H, K] fp32 by the gate [N, P], in the gate's dtype."""
+        N = core.shape[0]
+        return gated_rms_norm(core.to(gate.dtype), gate.view(N, self.H, self.K), self.o_norm.weight,
+                              self.config.rms_norm_eps)
+
+    def core(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Short convs and the delta rule over the step's rows, [N, H, K] fp32. Over a cache with state slots,
+        single-token rows run as one batched decode op and chunks as varlen rounds, states updated in their slots;
+        without slots (no cache, or a per-sequence cache) each sequence runs on its own."""
+        N, H, K = qkv.shape[0], self.H, self.K
         pool = batch.cache.kda_slot_pool(self.layer) if batch.cache is not None else None
-        decode = [i for i in range(batch.num_seqs)
-                  if pool is not None and batch.rows(i).stop - batch.rows(i).start == 1 and not batch.snapshots(i)]
-        if decode:  # single-token rows of every sequence at once, states updated in place in their slots
+        if pool is None:
+            return self._per_sequence(qkv, g, beta, batch)
+        core = torch.empty(N, H, K, dtype=torch.float32, device=qkv.device)
+        decode = [i for i in range(batch.num_seqs) if batch.rows(i).stop - batch.rows(i).start == 1]
+        if decode:  # a single-token row's snapshots (if any) fall after its token: taken once the slot is updated
             starts = [batch.rows(i).start for i in decode]
-            slots = torch.tensor([batch.handle(i).slot for i in decode], device=x.device)
+            slots = torch.tensor([batch.handle(i).slot for i in decode], device=qkv.device)
             if starts == list(range(N)):  # a pure decode step: every row, in order
                 core = self._decode_batched(qkv, g, beta, pool, slots, batch.ops)
             else:
-                rows = torch.tensor(starts, device=x.device)
+                rows = torch.tensor(starts, device=qkv.device)
                 core[rows] = self._decode_batched(qkv[rows], g[rows], beta[rows], pool, slots, batch.ops)
-        prefill = [i for i in range(batch.num_seqs) if pool is not None and i not in decode]
+            for i in decode:
+                for _, checkpoint in batch.snapshots(i):
+                    slot = batch.handle(i).slot
+                    batch.cache.save_kda_checkpoint(self.layer, checkpoint, pool[0][slot], pool[1][slot])
+        prefill = [i for i in range(batch.num_seqs) if i not in decode]
         if prefill:  # chunks of several sequences: varlen chunked ops over their slots
             core = self._prefill_varlen(qkv, g, beta, core, prefill, pool, batch)
-        for i in sorted(set(range(batch.num_seqs)) - set(decode) - set(prefill)):
+        return core
+
+    def _per_sequence(self, qkv, g, beta, batch: StepBatch) -> torch.Tensor:
+        """Each sequence on its own state (read and overwritten in place), cut at its prefix-cache snapshots."""
+        core = torch.empty(qkv.shape[0], self.H, self.K, dtype=torch.float32, device=qkv.device)
+        for i in range(batch.num_seqs):
             rows = batch.rows(i)
             state = batch.cache.kda_state(self.layer, batch.handle(i)) if batch.cache is not None else None
-            # A prefix-cache snapshot is taken exactly at each requested offset: split the chunk there.
             start = rows.start
             for end_offset, checkpoint in batch.snapshots(i) + [(rows.stop - rows.start, None)]:
                 seg = slice(start, rows.start + end_offset)
@@ -98,18 +108,7 @@ class KimiDeltaAttention(nn.Module):
                 if checkpoint is not None:
                     batch.cache.save_kda_checkpoint(self.layer, checkpoint, *state)
                 start = seg.stop
-        if self.native and x.dtype == torch.bfloat16 and gate.stride(-1) == 1:
-            gate_rows = gate.reshape(N * H, K)  # one row per head (a copy when the gate is a column slice)
-            out = gated_rmsnorm_bf16(core.view(N * H, K), gate_rows, self.o_norm.weight, self.config.rms_norm_eps)
-        else:
-            out = gated_rms_norm(core.to(x.dtype), gate.view(N, H, K), self.o_norm.weight, self.config.rms_norm_eps)
-        return self.o_proj(out.reshape(N, self.P))
-
-    def packable_dtype(self) -> torch.dtype:
-        return self.o_norm.weight.dtype
-
-    def packable_device(self) -> torch.device:
-        return self.o_norm.weight.device
+        return core
 
     def _conv_weight(self) -> torch.Tensor:
         """The q, k, v conv weights stacked [3P, W], kept until one of them changes."""

@@ -10,15 +10,13 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.indexer import indexer_scores_ref, select_topk, selection_mask
 from ..ops.mlapo import MLAWeights, mla_preprocess
-from ..ops.native import linear_heads, linear_heads_columns, pack_columns, pack_rows
 from ..ops.qli import qli_topk
 from ..ops.qsfa import qsfa
 from ..ops.rope import rotate_half_split, rotate_interleaved
 from .batch import StepBatch
+from .derived import Derived
 from .linear import Linear
-from .native_path import LINEAR_MAX_ROWS
 from .norm import LayerNorm, RMSNorm
-from .prepack import Derived
 from .rope import RotaryEmbedding, softmax_scale_factor
 
 
@@ -75,8 +73,6 @@ class MLAttention(nn.Module):
         self._mlapo = Derived()  # the fused MLAPO weights
         self._mlapo_sources: list[torch.Tensor] | None = None
         self._kv_b_split = Derived()  # see _split_kv_b
-        self._kv_b_packed = {False: Derived(), True: Derived()}  # see _kv_b_packs
-        self.native = False  # a few rows' absorptions through the native kernels (layers/native_path.py)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         pages = batch.cache.mla_pages(self.layer) if batch.cache is not None else None
@@ -96,7 +92,7 @@ class MLAttention(nn.Module):
                                       None if ik is None else ik[rows])
         if self.indexer is not None and batch.index_meta is not None and pages is not None:
             out = self._sparse_paged(self._absorb(q_nope), q_pe, iq, iw, pages, batch)
-        elif self.indexer is None and pages is not None and batch.ops.name == "fast":
+        elif self.indexer is None and pages is not None and batch.ops.name != "reference":
             out = self._dense_paged(q_nope, q_pe, latent_rows, pages[0], batch)
         else:
             out = self._per_sequence(q_nope, q_pe, latent_rows, iq, ik, iw, batch)
@@ -200,47 +196,17 @@ class MLAttention(nn.Module):
             return w[:, :self.n].contiguous(), w[:, self.n:].transpose(1, 2).contiguous()
         return self._kv_b_split.get([self.kv_b_proj.weight], split)
 
-    def _kv_b_packs(self, columns: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK^T [H, r, n] and W_UV [H, v, r] packed for the native kernels, row-packed (a few rows) or column-packed
-        (more), each kept until kv_b_proj changes."""
-        pack = pack_columns if columns else pack_rows
-
-        def build():
-            w = self._kv_b_heads()
-            return pack(w[:, :self.n].transpose(1, 2)), pack(w[:, self.n:])
-        return self._kv_b_packed[columns].get([self.kv_b_proj.weight], build)
-
     def _kv_b_heads(self) -> torch.Tensor:
         """kv_b_proj's weight per head: [H, n + v, r]."""
         return self.kv_b_proj.weight.detach().view(self.H, self.n + self.v, self.r)
 
     def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_lat [T, H, r] = per head q_nope W_UK: bf16 rows in one native call over all heads (row packs up to
-        LINEAR_MAX_ROWS rows, column packs above, as the linears), torch's bmm otherwise."""
-        if self.native and q_nope.dtype == torch.bfloat16:
-            return self._heads_native(q_nope, 0, self.r)
+        """q_lat [T, H, r] = per head q_nope W_UK, one batched product over the heads."""
         return torch.bmm(q_nope.transpose(0, 1), self._split_kv_b()[0]).transpose(0, 1)
 
     def _unabsorb(self, out_lat: torch.Tensor) -> torch.Tensor:
         """Heads' values [T, H, v] = per head out_lat W_UV^T (as `_absorb`)."""
-        if self.native and out_lat.dtype == torch.bfloat16:
-            return self._heads_native(out_lat, 1, self.v)
         return torch.bmm(out_lat.transpose(0, 1), self._split_kv_b()[1]).transpose(0, 1)
-
-    def _heads_native(self, x: torch.Tensor, which: int, n_out: int) -> torch.Tensor:
-        """W_UK (which 0) or W_UV (1) per head on the native kernels (native_src/blocks.c heads_linear picks the
-        same packs by row count): all heads in one parallel call over packed weights, faster than torch's bmm at
-        decode sizes."""
-        if x.shape[0] <= LINEAR_MAX_ROWS:
-            return linear_heads(x, self._kv_b_packs(columns=False)[which], n_out)
-        return linear_heads_columns(x, self._kv_b_packs(columns=True)[which], n_out)
-
-    def packable_dtype(self) -> torch.dtype | None:
-        """kv_b_proj's weight dtype (None for a quantized kv_b_proj: the absorptions then stay on torch)."""
-        return self.kv_b_proj.weight.dtype if isinstance(self.kv_b_proj, Linear) else None
-
-    def packable_device(self) -> torch.device:
-        return self.o_proj.weight.device if isinstance(self.o_proj, Linear) else torch.device("cpu")
 
     def _dense_decode(self, q_lat, q_pe, latent_pages, seqs: list[int], batch: StepBatch) -> torch.Tensor:
         """Single-token queries of many sequences at once over their whole context (docs/ops.md §4.5 in the absorbed

@@ -11,10 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.native import moe_bf16, pack_columns, router_bf16
+from .derived import Derived
 from .linear import Linear
-from .prepack import Derived, PackedWeights, linear_group, packed_linear
-from .mlp import MLP, glu_activation, situ_params
+from .mlp import MLP, glu_activation
 from .norm import RMSNorm
 
 
@@ -31,30 +30,19 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(E, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self._f32 = Derived()
-        self.native = False  # bf16 rows through the native router (layers/native_path.py)
 
-    def _weight_f32(self) -> torch.Tensor:
+    def weight_f32(self) -> torch.Tensor:
         """The router weight in fp32, converted once and again only when the weight changes (the logits are fp32
         on every path; converting [E, hidden] per call cost more than the product at decode)."""
         return self._f32.get([self.weight], lambda: self.weight.detach().float())
 
-    def _bias_f32(self) -> torch.Tensor:
+    def bias_f32(self) -> torch.Tensor:
         return self.e_score_correction_bias.detach().float().contiguous()
-
-    def packable_dtype(self) -> torch.dtype:
-        return self.weight.dtype
-
-    def packable_device(self) -> torch.device:
-        return self.weight.device
 
     def forward(self, x: torch.Tensor) -> Routing:
         """fp32 scores from the same x on every path; ties rank (score desc, expert id asc)."""
         c = self.config
-        if self.native and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1:
-            return Routing(*router_bf16(x, self._weight_f32(), self._bias_f32(), c.num_experts_per_token,
-                                        c.router_activation != "sigmoid", c.num_expert_group, c.topk_group,
-                                        c.moe_renormalize, c.routed_scaling_factor))
-        logits = torch.nn.functional.linear(x.float(), self._weight_f32())
+        logits = torch.nn.functional.linear(x.float(), self.weight_f32())
         scores = torch.sigmoid(logits) if c.router_activation == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores + self.e_score_correction_bias.float()
         if c.num_expert_group > 1:
@@ -84,64 +72,13 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, width, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(num_experts, width, dim))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, width))  # down
-        self.prepack = False  # see layers/prepack.py: per expert, gate+up stacked and down, each packed once
-        self.native = False  # see layers/native_path.py: every token through the fused expert kernel
-        self._packed: dict[int, tuple[PackedWeights, PackedWeights]] = {}
-        self._native_packed = Derived()
 
-    def runs_native(self, x: torch.Tensor) -> bool:
-        """x goes through the fused expert kernel (which can also run a shared MLP: `forward`'s `shared`)."""
-        return self.native and x.dtype == torch.bfloat16
-
-    def forward(self, x: torch.Tensor, routing: Routing,
-                shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
-        """The routed experts' output; with `shared` (`MLP.shared_expert_packs`, only where `runs_native`) plus a
-        shared MLP's, computed in the same kernel pass and added as `MoE` adds them."""
-        if self.runs_native(x):
-            return moe_bf16(x.contiguous(), routing.experts, routing.weights, self.w1, self.w3, self.w2,
-                            packed=self._native_weights(), situ=situ_params(self.config), shared=shared)
-        if shared is not None:
-            raise ValueError("Experts: a shared MLP runs in the expert pass only on the native kernel")
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         return dispatch_experts(x, routing, self.w1.shape[0], self.run_expert)
 
     def run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
-        """Expert e over its tokens xe [n, dim] -> [n, dim] in xe's dtype. Prepacked: gate and up as one product."""
-        if not self.prepack:
-            return F.linear(glu_activation(self.config, F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e])),
-                            self.w2[e])
-        gate_up, down = self._packs(e)
-        gate, up = linear_group(xe, [self.w1[e], self.w3[e]], gate_up)
-        return packed_linear(glu_activation(self.config, gate, up), down.get([self.w2[e]]))
-
-    def _packs(self, e: int) -> tuple[PackedWeights, PackedWeights]:
-        if e not in self._packed:
-            self._packed[e] = (PackedWeights(), PackedWeights())
-        return self._packed[e]
-
-    def _native_weights(self) -> tuple[torch.Tensor, ...]:
-        """w1, w3, w2 in the expert kernel's column-packed layout, rebuilt when a source's storage or version
-        moves."""
-        weights = [self.w1, self.w3, self.w2]
-        return self._native_packed.get(weights, lambda: tuple(pack_columns(w) for w in weights))
-
-    def pack_now(self) -> None:
-        """Pack every expert up front, so no step pays for packing an expert the first time it is routed to: all
-        of them in the native layout when the kernels run the experts (the oneDNN packs are then dropped), else
-        one oneDNN pack per expert."""
-        if self.native:
-            self._packed.clear()
-            self._native_weights()
-            return
-        for e in range(self.w1.shape[0]):
-            gate_up, down = self._packs(e)
-            gate_up.get([self.w1[e], self.w3[e]])
-            down.get([self.w2[e]])
-
-    def packable_dtype(self) -> torch.dtype:
-        return self.w1.dtype
-
-    def packable_device(self) -> torch.device:
-        return self.w1.device
+        """Expert e over its tokens xe [n, dim] -> [n, dim] in xe's dtype."""
+        return F.linear(glu_activation(self.config, F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e])), self.w2[e])
 
 
 def dispatch_experts(x: torch.Tensor, routing: Routing, num_experts: int,
@@ -192,11 +129,6 @@ class MoE(nn.Module):
                 r = self.routed_expert_norm(r)
             out = self.routed_expert_up_proj(r)
         else:
-            packs = (self.shared_experts.shared_expert_packs()  # MX experts (layers/quantized.py) have no kernel
-                     if self.shared_experts is not None and isinstance(self.experts, Experts)
-                     and self.experts.runs_native(x) else None)
-            if packs is not None:  # the shared MLP's products overlap the routed experts' weight stream
-                return self.experts(x, routing, shared=packs)
             out = self.experts(x, routing)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

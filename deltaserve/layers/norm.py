@@ -3,8 +3,6 @@
 import torch
 from torch import nn
 
-from ..ops.native import rmsnorm_bf16
-
 
 class RMSNorm(nn.Module):
     """w * round(x_f32 * rsqrt(mean(x_f32^2) + eps)): the normalised vector is cast to x's dtype before the weight."""
@@ -13,20 +11,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.native = False  # bf16 rows through the native kernel (layers/native_path.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1:
-            return rmsnorm_bf16(x, self.weight, self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
-
-    def packable_dtype(self) -> torch.dtype:
-        return self.weight.dtype
-
-    def packable_device(self) -> torch.device:
-        return self.weight.device
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,10 +6,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.batch import StepBatch
-from ..layers.fused_stack import DecodeStack
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from .decoder import AttnResQuery, DecoderLayer
+from .decoder import AttnResQuery, DecoderLayer, Eager, SubBlocks, V
 from .mtp import MTPLayer
 
 
@@ -29,25 +28,22 @@ class CausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(config, config.num_layers + j)
                                  for j in range(config.num_nextn_predict_layers))
         self.mtp_available = config.num_nextn_predict_layers > 0
-        self.fuse_stack = True
-        self.decode_stack = DecodeStack()
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Pre-norm final hidden state h [N, d] of the flattened tokens (what MTP and drafters consume). A decode step
-        that every layer's fused blocks take runs the stack in one native call with the same result
-        (layers/fused_stack.py); `fuse_stack = False` runs the layers one by one."""
-        h = self.embed_tokens(input_ids)
-        stacked = self.decode_stack.run(self, h, batch) if self.fuse_stack else None
-        if stacked is not None:
-            return stacked
+        """Pre-norm final hidden state h [N, d] of the flattened tokens (what MTP and drafters consume)."""
+        return self.run_layers(self.embed_tokens(input_ids), Eager(batch))
+
+    def run_layers(self, h: V, blocks: SubBlocks[V]) -> V:
+        """The decoder stack over the embedded tokens: plain pre-norm residual layers, or block AttnRes with the
+        output mixture."""
         if self.config.attn_res_block_size is None:
             for layer in self.layers:
-                h = layer(h, batch)
+                h = layer.apply(h, blocks)
             return h
-        bank: list[torch.Tensor] = []
+        bank: list = []
         for layer in self.layers:
-            h = layer.forward_attn_res(h, bank, batch)
-        return self.output_attn_res.mix(bank + [h], batch)
+            h = layer.apply_attn_res(h, bank, blocks)
+        return blocks.mix(self.output_attn_res, bank + [h])
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits from pre-norm hidden states."""

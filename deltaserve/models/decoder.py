@@ -1,18 +1,23 @@
 """A decoder layer shared by every family: plain pre-norm residual (Kimi-Linear, DeepSeek) or one layer of block
 AttnRes (K3, K3.1) — docs/model.md §4, §5.3."""
 
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
 import torch
 from torch import nn
 
 from ..config import ModelConfig
 from ..layers.batch import StepBatch
-from ..layers.fused_blocks import BlockPlans, attention_block, ffn_block
 from ..layers.kda import KimiDeltaAttention
 from ..layers.linear import Linear
 from ..layers.mla import MLAttention
 from ..layers.mlp import MLP
 from ..layers.moe import MoE
 from ..layers.norm import RMSNorm
+
+V = TypeVar("V")
 
 
 class AttnResQuery(nn.Module):
@@ -24,8 +29,39 @@ class AttnResQuery(nn.Module):
         self.norm = RMSNorm(dim, eps)
         self.eps = eps
 
-    def mix(self, sources: list[torch.Tensor], batch: StepBatch) -> torch.Tensor:
-        return batch.ops.attn_res_mix(sources, self.proj.weight[0], self.norm.weight, self.eps)
+
+class SubBlocks(Protocol[V]):
+    """How a decoder stack's sub-blocks are applied to values of type V. The stack's structure (which sub-block
+    reads which values, docs/model.md §4, §5.3) is written once, in `DecoderLayer.apply*` and `CausalLM.run_layers`;
+    `Eager` applies it to tensors, and the native backend's program writer (backends/native/program.py) to
+    registers, recording the same calls as a program."""
+
+    def attention(self, layer: "DecoderLayer", x: V, residual: V | None) -> V:
+        """residual + self_attn(input_layernorm(x)) (no residual: the attention output)."""
+
+    def ffn(self, layer: "DecoderLayer", x: V, residual: V | None) -> V:
+        """residual + ffn(post_attention_layernorm(x)) (no residual: the FFN output)."""
+
+    def mix(self, query: AttnResQuery, sources: list[V]) -> V:
+        """AttnRes's softmax mixture of `sources` over depth (one source: itself)."""
+
+
+class Eager:
+    """The sub-blocks applied to tensors by the modules, for one step."""
+
+    def __init__(self, batch: StepBatch):
+        self.batch = batch
+
+    def attention(self, layer: "DecoderLayer", x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        a = layer.self_attn(layer.input_layernorm(x), self.batch)
+        return a if residual is None else residual + a
+
+    def ffn(self, layer: "DecoderLayer", x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        f = layer.ffn(layer.post_attention_layernorm(x))
+        return f if residual is None else residual + f
+
+    def mix(self, query: AttnResQuery, sources: list[torch.Tensor]) -> torch.Tensor:
+        return self.batch.ops.attn_res_mix(sources, query.proj.weight[0], query.norm.weight, query.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -39,33 +75,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.attn_res = attn_res and config.attn_res_block_size is not None
-        self.fuse_blocks = True
-        self.block_plans = BlockPlans()
         if self.attn_res:
             self.self_attention_res = AttnResQuery(d, eps)
             self.mlp_res = AttnResQuery(d, eps)
 
     def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Ordinary pre-norm residual block. At decode, a sub-block whose parts all run on the native kernels runs as
-        one fused call with the same result (layers/fused_blocks.py); `fuse_blocks = False` keeps the modules."""
-        fused = attention_block(self, h, batch, h) if self.fuse_blocks else None
-        h = fused if fused is not None else h + self.self_attn(self.input_layernorm(h), batch)
-        fused = ffn_block(self, h, h) if self.fuse_blocks else None
-        return fused if fused is not None else h + self.ffn(self.post_attention_layernorm(h))
+        """Ordinary pre-norm residual block over tensors."""
+        return self.apply(h, Eager(batch))
 
-    def forward_attn_res(self, p: torch.Tensor, bank: list[torch.Tensor], batch: StepBatch) -> torch.Tensor:
+    def apply(self, h: V, blocks: SubBlocks[V]) -> V:
+        """Ordinary pre-norm residual block."""
+        h = blocks.attention(self, h, h)
+        return blocks.ffn(self, h, h)
+
+    def apply_attn_res(self, p: V, bank: list[V], blocks: SubBlocks[V]) -> V:
         """One layer of docs/model.md §5.3. `p` is the current block's partial sum; `bank` is extended in place on a
         block-write layer. Returns the next partial sum."""
-        x = self.self_attention_res.mix(bank + [p], batch) if bank else p
+        x = blocks.mix(self.self_attention_res, bank + [p]) if bank else p
         write = self.config.attnres_write(self.layer)
         if write:
             bank.append(p)
-        fused = attention_block(self, x, batch, None if write else p) if self.fuse_blocks else None
-        if fused is not None:
-            p = fused
-        else:
-            a = self.self_attn(self.input_layernorm(x), batch)
-            p = a if write else p + a
-        y = self.mlp_res.mix(bank + [p], batch)
-        fused = ffn_block(self, y, p) if self.fuse_blocks else None
-        return fused if fused is not None else p + self.ffn(self.post_attention_layernorm(y))
+        p = blocks.attention(self, x, None if write else p)
+        y = blocks.mix(self.mlp_res, bank + [p])
+        return blocks.ffn(self, y, p)

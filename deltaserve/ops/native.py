@@ -348,3 +348,4 @@ def moe_bf16(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: 
     if bad:
         raise ValueError(f"moe_bf16: expert ids must lie in [0, {E})")
     return out
+

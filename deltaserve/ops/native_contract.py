@@ -3,12 +3,12 @@
 It holds three things:
 
 * the constants both sides read (`CONSTANTS`): the row counts at which products change form, which the fused
-  blocks must follow to give their modules' results, and the decode-stack program's op codes;
+  blocks must follow to give their modules' results, and the native program's op codes;
 * the records passed by address, as `ctypes.Structure`s with named, typed fields (`STRUCTS`): the few-row linear
   products' tasks (`LinearTask`; ops/native.py, native_src/products.c), one descriptor per fused decode block
   (`KdaBlock`, `MoeBlock`, `MlaBlock`, `DsaBlock`: dimensions, the packed weights' addresses, epsilons and scales;
-  built once per layer by layers/fused_attention.py and layers/fused_blocks.py, read by native_src/blocks.c), and
-  the decode-stack program's op record and step inputs (`StackOp`, `StackStep`; layers/fused_stack.py,
+  built once per layer by backends/native/blocks.py, read by native_src/blocks.c), and
+  the program's op record and step inputs (`StackOp`, `StackStep`; backends/native/program.py,
   native_src/stack.c);
 * the C prototype of every entry point ctypes calls (`ENTRY_POINTS`), from which `entry_signatures` derives the
   argtypes and restype ops/native.py sets on the loaded library.
@@ -35,16 +35,16 @@ from pathlib import Path
 HEADER = Path(__file__).with_name("native_src") / "contract.h"
 
 # Plain linears take the row-packed dot tiles up to this many rows and the column-packed product above it
-# (layers/native_path.py says why); the fused blocks switch at the same count to give the linears' results.
+# (backends/native/modules.py says why); the fused blocks switch at the same count to give the linears' results.
 LINEAR_MAX_ROWS = 4
 # Dense MLPs take the expert kernel on their linears' row packs up to this many rows, their column packs above.
 MLP_MAX_ROWS = 8
 # Column-packed products of this many rows or more take the AMX tile unit where the CPU and the OS give it
 # (native_src/tiles.c), the AVX512-BF16 pair products below: the form follows the row count alone.
 TILE_MIN_ROWS = 4
-# The most sources one AttnRes mix of the decode-stack program takes (the length of `StackOp.sources`).
+# The most sources one AttnRes mix of a native program takes (the length of `StackOp.sources`).
 MAX_MIX_SOURCES = 64
-# The decode-stack program's op kinds (`StackOp.kind`): the four fused blocks and an AttnRes mix.
+# A native program's op kinds (`StackOp.kind`): the four fused blocks and an AttnRes mix.
 SOP_KDA, SOP_MLA, SOP_DSA, SOP_FFN, SOP_MIX = 1, 2, 3, 4, 5
 # The vector instruction sets a build of the library was compiled for (`ds_vector_isa`, a bit each): the kernels
 # are written for AVX-512 with BF16 pairs (and AMX tiles above a few rows); without them their portable forms
@@ -176,7 +176,7 @@ class DsaBlock(ctypes.Structure):
 
 @_layout
 class StackOp(ctypes.Structure):
-    """One op of a decode-stack program: a fused block (its descriptor and its layer's cache) or an AttnRes mix,
+    """One op of a native program: a fused block (its descriptor and its layer's cache) or an AttnRes mix,
     over registers (indices into the register file; -1: none). Each kind reads its own fields only."""
 
     c_name = "stack_op"
@@ -195,11 +195,12 @@ class StackOp(ctypes.Structure):
 
 @_layout
 class StackStep(ctypes.Structure):
-    """A decode step's own inputs, shared by every op of the program (0: not used by its blocks)."""
+    """A step's own inputs, shared by every op of the program (0: not used by its blocks)."""
 
     c_name = "stack_step"
     fields = [
-        ("slots", I64S, "the KDA state slots [N]"), ("rows", I64S, "the sequences' cache rows [N, width]"),
+        ("nseq", I64, "the step's sequences"), ("cu", I64S, "KDA: the sequences' row offsets [nseq + 1], 0: one row each"),
+        ("slots", I64S, "the KDA state slots [nseq]"), ("rows", I64S, "the sequences' cache rows [N, width]"),
         ("width", I64, ""), ("write_rows", I64S, "the new tokens' cache rows [N]"),
         ("cos_sin", FLOATS, "DeepSeek-V3.2's rotation at the tokens' positions [2, N, rope / 2]"),
     ]
@@ -250,7 +251,7 @@ int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
 void ds_index_select(const bf16 *q, const float *w, int64_t HI, int64_t DI, const int64_t *rows, int64_t n,
     const void *keys, int64_t ldk, int keys_bf16, int64_t topk, int64_t *selected, int nthreads);
 void ds_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out, int nthreads);
-int64_t ds_decode_stack(const stack_op *program, int64_t nops, int64_t N, int64_t D, bf16 *regs,
+int64_t ds_run_program(const stack_op *program, int64_t nops, int64_t N, int64_t D, bf16 *regs,
     const stack_step *step, int nthreads);
 """
 

@@ -131,7 +131,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        return {"version": __version__}
+        return {"version": __version__, **state.engine.backend}
 
     @app.get("/v1/models")
     async def models():

@@ -105,6 +105,7 @@ class EngineClient:
         self.proc.start()
         ready = await self._wait_ready(self.ready_timeout)
         self.max_model_len, self.vocab_size, self.eos_ids = ready.max_model_len, ready.vocab_size, set(ready.eos_ids)
+        self.backend = ready.backend
         self.processor = OutputProcessor(self.tokenizer, self.eos_ids, FaultInjector.parse(self.args.fault_injection))
         self._observe([], ready.stats)
         self._dead = asyncio.Event()

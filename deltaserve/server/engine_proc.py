@@ -39,7 +39,7 @@ def run_engine_core(args: dict, model_path: str, in_addr: str, out_addr: str, lo
     try:
         core = EngineCore(EngineArgs(**args), Path(model_path))
         outbox.send(encode(Ready(core.max_model_len, core.config.vocab_size, sorted(core.eos_ids), os.getpid(),
-                                 core.stats())))
+                                 core.stats(), core.backend.describe())))
         _loop(core, inbox, outbox, parent)
     finally:
         inbox.close(linger=0)

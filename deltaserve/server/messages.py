@@ -53,6 +53,7 @@ class Ready:
     eos_ids: list[int]
     pid: int
     stats: dict = field(default_factory=dict)  # the fresh core's stats (all idle)
+    backend: dict = field(default_factory=dict)  # the execution backend, why it was chosen, its op set
 
 
 @dataclass

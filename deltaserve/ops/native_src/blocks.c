@@ -5,12 +5,12 @@
  * and torch glue between ~10 kernel calls a layer costs about as much as the products.
  *
  * Each block is described by its struct of contract.h (dimensions, the addresses of the packed weights, epsilons
- * and scales; ops/native_contract.py, built once per layer by layers/fused_blocks.py); scratch is allocated per
+ * and scales; ops/native_contract.py, built once per layer by backends/native/blocks.py); scratch is allocated per
  * call. */
 #include "kernels.h"
 
 /* y [M, N] (contiguous) = rows of x [M, K] at stride ldx @ W^T for one weight W [N, K] given in both native packs,
- * as the linears' own `native_product` picks them by row count (layers/prepack.py): the row-packed dot tiles
+ * as the linears' own `native_product` picks them by row count (backends/packs.py): the row-packed dot tiles
  * (`rows`) up to LINEAR_MAX_ROWS rows, the column pack (`cols`, on the tile unit where there is one) above. The
  * two forms sum in other fp32 orders, so a block takes the form its module would. A block that runs only a few
  * rows (the DSA block, K3's latent projections) passes no column pack (NULL): the dot tiles at any count. */

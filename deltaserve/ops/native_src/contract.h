@@ -158,8 +158,8 @@ typedef struct {
     float index_dim_scale; /* index_dim^-1/2 */
 } dsa_block;
 
-/* One op of a decode-stack program: a fused block (its descriptor and its layer's cache) or an AttnRes mix, over
- * registers (indices into the register file; -1: none). Each kind reads its own fields only. */
+/* One op of a native program: a fused block (its descriptor and its layer's cache) or an AttnRes mix, over registers
+ * (indices into the register file; -1: none). Each kind reads its own fields only. */
 typedef struct {
     int64_t kind; /* SOP_* */
     int64_t x;
@@ -184,9 +184,11 @@ typedef struct {
     int64_t sources[MAX_MIX_SOURCES]; /* registers */
 } stack_op;
 
-/* A decode step's own inputs, shared by every op of the program (0: not used by its blocks). */
+/* A step's own inputs, shared by every op of the program (0: not used by its blocks). */
 typedef struct {
-    const int64_t *slots; /* the KDA state slots [N] */
+    int64_t nseq; /* the step's sequences */
+    const int64_t *cu; /* KDA: the sequences' row offsets [nseq + 1], 0: one row each */
+    const int64_t *slots; /* the KDA state slots [nseq] */
     const int64_t *rows; /* the sequences' cache rows [N, width] */
     int64_t width;
     const int64_t *write_rows; /* the new tokens' cache rows [N] */
@@ -234,7 +236,7 @@ int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
 void ds_index_select(const bf16 *q, const float *w, int64_t HI, int64_t DI, const int64_t *rows, int64_t n,
     const void *keys, int64_t ldk, int keys_bf16, int64_t topk, int64_t *selected, int nthreads);
 void ds_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out, int nthreads);
-int64_t ds_decode_stack(const stack_op *program, int64_t nops, int64_t N, int64_t D, bf16 *regs,
+int64_t ds_run_program(const stack_op *program, int64_t nops, int64_t N, int64_t D, bf16 *regs,
     const stack_step *step, int nthreads);
 
 #endif

@@ -1,17 +1,17 @@
-/* A whole decoder stack's decode step in one call (layers/fused_stack.py): a program of the fused blocks of
- * blocks.c and AttnRes mixes over a register file of [N, D] bf16 row sets, run in order. At batch 1 the Python
- * around the ~30-60 block and mix calls of a step (argument checks, ctypes, output tensors) is a sizeable share
- * of the step; the calls and their order are the same, so the results are the blocks'.
+/* A run of a native program's ops in one call (backends/native/program.py): the fused blocks of blocks.c and
+ * AttnRes mixes over a register file of [N, D] bf16 row sets, in order. At batch 1 the Python around the ~30-60
+ * block and mix calls of a step (argument checks, ctypes, output tensors) is a sizeable share of the step; the calls
+ * and their order are the same, so the results are the blocks'.
  *
- * Each op is a stack_op (contract.h, written by layers/fused_stack.py): its kind (SOP_*), its registers (indices into
- * `regs`, -1: none), the block's descriptor and the fields of its layer's cache; a mix names its query, norm weight,
- * eps and source registers. The step's own inputs, shared by every op, are a stack_step: the KDA state slots, the
- * sequences' cache rows and the new tokens' rows, DeepSeek-V3.2's rotation at the tokens' positions (NULL: none). */
+ * Each op is a stack_op (contract.h): its kind (SOP_*), its registers (indices into `regs`, -1: none), the block's
+ * descriptor and the fields of its layer's cache; a mix names its query, norm weight, eps and source registers. The
+ * step's own inputs, shared by every op, are a stack_step: the sequences, their row offsets and KDA state slots, the
+ * decode step's cache rows and new tokens' rows, DeepSeek-V3.2's rotation at the tokens' positions (NULL: none). */
 #include "kernels.h"
 
 /* Returns 0, or 1 + the index of the op that failed (nothing after it ran): a cache row outside its pages, a
  * router shape the MoE block rejects, an unknown op or a mix of more than MAX_MIX_SOURCES sources. */
-int64_t ds_decode_stack(const stack_op *program, int64_t nops, int64_t N, int64_t D, bf16 *regs,
+int64_t ds_run_program(const stack_op *program, int64_t nops, int64_t N, int64_t D, bf16 *regs,
                         const stack_step *step, int nthreads) {
 #define REG(j) ((j) < 0 ? NULL : regs + (j) * N * D)
     for (int64_t i = 0; i < nops; i++) {
@@ -19,7 +19,7 @@ int64_t ds_decode_stack(const stack_op *program, int64_t nops, int64_t N, int64_
         int failed = 0;
         switch (op->kind) {
         case SOP_KDA:
-            ds_kda_block(op->descriptor, REG(op->x), REG(op->residual), N, N, NULL, step->slots, op->conv,
+            ds_kda_block(op->descriptor, REG(op->x), REG(op->residual), N, step->nseq, step->cu, step->slots, op->conv,
                          op->conv_stride, op->rec, op->rec_stride, REG(op->out), nthreads);
             break;
         case SOP_MLA:

@@ -1,0 +1,34 @@
+"""The native backend: the model on the native CPU kernels (docs/architecture.md §4).
+
+At load, the leaf modules whose weights the kernels take get their native forms (modules.py). Each step of a kind
+the programs take (program.py: a step over the paged caches of at most `BLOCK_MAX_ROWS` rows) runs as that kind's
+program of fused blocks (blocks.py), with the modules of the sub-blocks the blocks cannot take in between; any other
+step (a plain forward without a cache, a longer step) runs the modules, on their native forms.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...layers.batch import StepBatch
+from ...models.decoder import Eager
+from ...ops.opset import get_ops
+from .. import Backend, adopt
+from .modules import NATIVE_FORMS, kernels_take
+from .program import Programs
+
+
+class NativeBackend(Backend):
+    def __init__(self, reason: str):
+        super().__init__("native", reason, get_ops("native"))
+        self.programs = Programs()
+
+    def prepare(self, model: torch.nn.Module) -> str:
+        changed = adopt(model, NATIVE_FORMS, kernels_take)
+        return f"native forms for {changed} modules"
+
+    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        h = model.embed_tokens(input_ids)
+        out = self.programs.run(model, h, batch)
+        return out if out is not None else model.run_layers(h, Eager(batch))
+

@@ -1,0 +1,289 @@
+"""The fused native blocks of a decoder layer (native_src/blocks.c): `r + f(rmsnorm(x))` of one sub-block as one
+call, r = x = h in a plain pre-norm layer; K3's AttnRes layers pass the mixed x and the block's partial sum r, or
+none. The program (backends/native/program.py) writes them as its ops.
+
+A block runs the same kernels in the same order as the native modules (backends/native/modules.py), so its output
+equals theirs bit for bit (tests/test_native_program.py); the DSA block computes its index-key LayerNorm, output-gate
+sigmoid and index scores in C, equal to fp32 rounding.
+
+A layer's `Plan` per sub-block says which module it fuses, the weights its descriptor reads, how to build that
+descriptor (a struct of ops/native_contract.py: dimensions, the packed weights' addresses, epsilons and scales,
+rebuilt when a weight changes) and the most rows it takes. A plan exists when every part of the sub-block runs on the
+native kernels (native modules: bf16 weights, unquantised) and its form is one the blocks compute:
+* KDA attention, on any step whose prefix-cache snapshots fall at its sequences' ends;
+* Kimi's dense NoPE MLA over paged bf16/fp32 latents, on a pure decode step;
+* a DSA layer (K3's NoPE, DeepSeek-V3.2's RoPE) over plain bf16/fp32 latent and index-key pages, on a pure decode step
+  of at most `LINEAR_MAX_ROWS` rows (past the indexer's top-k the block scores the keys and selects in C);
+* the FFN: a routed MoE and/or a shared or dense MLP, on any step (`LINEAR_MAX_ROWS` rows for K3's latent MoE,
+  whose down and up projections are plain linears).
+Above `LINEAR_MAX_ROWS` rows the blocks' products read the column packs (`MLP_MAX_ROWS` for the dense and shared
+MLPs), as the modules' products do, so one form of each product runs at each row count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from ...config import ModelConfig
+from ...layers.derived import Derived
+from ...layers.kda import KimiDeltaAttention
+from ...layers.mla import MLAttention
+from ...layers.mlp import MLP, situ_params
+from ...layers.moe import MoE
+from ...layers.norm import RMSNorm
+from ...ops.native_contract import LINEAR_MAX_ROWS, DsaBlock, KdaBlock, MlaBlock, MoeBlock
+from .modules import (NativeExperts, NativeKimiDeltaAttention, NativeLinear, NativeMLAttention, NativeMLP, NativeMoE,
+                      NativeRMSNorm, NativeRouter)
+
+# The most rows a KDA, dense MLA or plain FFN block takes: it caps a block's scratch (~25 KiB a row on
+# kimi-linear-small's KDA block). Above LINEAR_MAX_ROWS their products read the column packs, as the modules do.
+BLOCK_MAX_ROWS = 8192
+
+
+def address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _all_native(*modules: torch.nn.Module | None) -> bool:
+    """Every module exists and runs on the native kernels (a quantised one does not)."""
+    native = (NativeLinear, NativeRMSNorm, NativeRouter, NativeExperts, NativeMLP, NativeMoE, NativeKimiDeltaAttention,
+              NativeMLAttention)
+    return all(m is not None and type(m) in native for m in modules)
+
+
+class Descriptor:
+    """One block's descriptor struct (`KdaBlock`, `MoeBlock`, `MlaBlock` or `DsaBlock`), its address, and the
+    tensors whose addresses it holds (kept alive)."""
+
+    def __init__(self, block: ctypes.Structure, keep: list[torch.Tensor]):
+        self.block, self.address, self.keep = block, ctypes.addressof(block), keep
+
+
+class Plan:
+    """One sub-block of one layer: its `kind` ("kda", "mla", "dsa" or "ffn"), the `module` it fuses, the weights
+    its descriptor reads, the descriptor's builder (which may give None: no native packs) and the most rows it
+    takes."""
+
+    def __init__(self, kind: str, module: torch.nn.Module, sources: list[torch.Tensor], build, max_rows: int):
+        self.kind, self.module, self.sources, self.build, self.max_rows = kind, module, sources, build, max_rows
+        self._descriptor = Derived()
+
+    def descriptor(self) -> Descriptor | None:
+        """The descriptor of the current weights (None when the builder found no native packs)."""
+        return self._descriptor.get(self.sources, self.build)
+
+
+def attention_plan(attn: torch.nn.Module, norm: RMSNorm) -> Plan | None:
+    """The plan of a layer's attention sub-block, or None when its kind or parts cannot be fused."""
+    if isinstance(attn, KimiDeltaAttention):
+        return _kda_plan(attn, norm)
+    if isinstance(attn, MLAttention):
+        return _mla_plan(attn, norm) if attn.indexer is None else _dsa_plan(attn, norm)
+    return None
+
+
+def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> Descriptor:
+    """The block's descriptor (`KdaBlock`) over the layer's current packed weights."""
+    c = attn.config
+    inputs = [m.weight for m in attn.input_linears()]
+    w_in, c_in = attn.input_packs.rows(inputs), attn.input_packs.columns(inputs)
+    w_fb, w_o, c_fb, c_o = attn.f_b_proj.row_pack(), attn.o_proj.row_pack(), attn.f_b_proj.column_pack(), \
+        attn.o_proj.column_pack()
+    w_gb, c_gb = (None, None) if c.kda_full_rank_gate else (attn.g_b_proj.row_pack(), attn.g_b_proj.column_pack())
+    dt_bias, a_log = attn.dt_bias.detach().float().contiguous(), attn.A_log.detach().float().contiguous()
+    conv_w, o_norm = attn._conv_weight(), attn.o_norm.weight.detach().float().contiguous()
+    n_in = sum(m.out_features for m in attn.input_linears())
+    keep = [t for t in (norm.weight, w_in, w_fb, w_gb, dt_bias, a_log, conv_w, o_norm, w_o, c_in, c_fb, c_gb, c_o)
+            if t is not None]
+    lower = c.kda_gate_lower_bound
+    block = KdaBlock(
+        hidden=c.hidden_size, heads=attn.H, head_dim=attn.K, conv_width=attn.W, in_width=n_in,
+        norm_w=norm.weight.data_ptr(), w_in=w_in.data_ptr(), w_fb=w_fb.data_ptr(), w_gb=address(w_gb),
+        dt_bias=dt_bias.data_ptr(), a_log=a_log.data_ptr(), conv_w=conv_w.data_ptr(), onorm_w=o_norm.data_ptr(),
+        w_o=w_o.data_ptr(), c_in=c_in.data_ptr(), c_fb=c_fb.data_ptr(), c_gb=address(c_gb), c_o=c_o.data_ptr(),
+        eps=norm.eps, onorm_eps=c.rms_norm_eps, lower_bound=math.nan if lower is None else lower,
+        scale=attn.K ** -0.5)
+    return Descriptor(block, keep)
+
+
+def kda_pools(attn: KimiDeltaAttention, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's conv and recurrent slot pools when they are in the layout the block reads."""
+    pool = cache.kda_slot_pool(attn.layer)
+    if pool is None:
+        return None
+    conv, rec = pool
+    P, W, K = attn.P, attn.W, attn.K
+    if (conv.dtype != torch.float32 or rec.dtype != torch.float32 or conv.device.type != "cpu"
+            or conv.stride()[1:] != (P * (W - 1), W - 1, 1) or rec.stride()[1:] != (K * K, K, 1)):
+        return None
+    return conv, rec
+
+
+def _kda_plan(attn: KimiDeltaAttention, norm: RMSNorm) -> Plan | None:
+    linears = [*attn.input_linears(), attn.f_b_proj, attn.o_proj]
+    if not attn.config.kda_full_rank_gate:
+        linears.append(attn.g_b_proj)
+    if not _all_native(attn, norm, *linears):
+        return None
+    sources = [norm.weight, attn.dt_bias, attn.A_log, attn.o_norm.weight, *(m.weight for m in linears),
+               *(conv.weight for conv in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d))]
+    return Plan("kda", attn, sources, lambda: _kda_descriptor(attn, norm), BLOCK_MAX_ROWS)
+
+
+def _mla_linears(attn: MLAttention) -> list[torch.nn.Module] | None:
+    """q_proj, kv_a_proj, kv_a_layernorm, kv_b_proj and o_proj of the MLA form the block computes (Kimi's: no
+    query LoRA, no RoPE, no output gate, no indexer), else None."""
+    c = attn.config
+    if attn.indexer is not None or attn.rotary is not None or c.q_lora_rank is not None or c.mla_use_output_gate:
+        return None
+    return [attn.q_proj, attn.kv_a_proj_with_mqa, attn.kv_a_layernorm, attn.kv_b_proj, attn.o_proj]
+
+
+def _mla_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor:
+    """The block's descriptor (`MlaBlock`) over the layer's current packed weights."""
+    linears = (attn.q_proj, attn.kv_a_proj_with_mqa, attn.o_proj)
+    w_q, w_kva, w_o = (m.row_pack() for m in linears)
+    c_q, c_kva, c_o = (m.column_pack() for m in linears)
+    (w_uk, w_uv), (c_uk, c_uv) = attn.kv_b_packs(columns=False), attn.kv_b_packs(columns=True)
+    kva_norm = attn.kv_a_layernorm
+    keep = [norm.weight, w_q, w_kva, kva_norm.weight, w_uk, w_uv, w_o, c_q, c_kva, c_uk, c_uv, c_o]
+    block = MlaBlock(
+        hidden=attn.config.hidden_size, heads=attn.H, nope=attn.n, rope=attn.rho, v_dim=attn.v, rank=attn.r,
+        norm_w=norm.weight.data_ptr(), w_q=w_q.data_ptr(), w_kva=w_kva.data_ptr(),
+        kva_norm_w=kva_norm.weight.data_ptr(), w_uk=w_uk.data_ptr(), w_uv=w_uv.data_ptr(), w_o=w_o.data_ptr(),
+        c_q=c_q.data_ptr(), c_kva=c_kva.data_ptr(), c_uk=c_uk.data_ptr(), c_uv=c_uv.data_ptr(), c_o=c_o.data_ptr(),
+        eps=norm.eps, kva_eps=kva_norm.eps, scale=attn.scale)
+    return Descriptor(block, keep)
+
+
+def _mla_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
+    parts = _mla_linears(attn)
+    if parts is None or not _all_native(attn, norm, *parts):
+        return None
+    return Plan("mla", attn, [norm.weight, *(m.weight for m in parts)], lambda: _mla_descriptor(attn, norm),
+                BLOCK_MAX_ROWS)
+
+
+def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
+    """A DSA layer with query LoRA on the MLAPO path (K3's NoPE; DeepSeek-V3.2's RoPE, the indexer's rotated part
+    as wide as the MLA's) with bf16 weights and norms."""
+    c = attn.config
+    if (c.q_lora_rank is None or not attn._fusable() or not _all_native(attn, norm, attn.o_proj)
+            or attn.indexer.rope_dim not in (0, attn.rho) or (attn.rotary is not None and not c.uses_rope)):
+        return None
+    ix = attn.indexer
+    if not all(t.dtype == torch.bfloat16 for t in (attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight,
+                                                   ix.k_norm.weight, ix.k_norm.bias)):
+        return None
+    attn._fused_weights()  # gathers the layer's parameters: the block's sources
+    return Plan("dsa", attn, [norm.weight, *attn._mlapo_sources], lambda: _dsa_descriptor(attn, norm),
+                LINEAR_MAX_ROWS)
+
+
+def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor | None:
+    """The block's descriptor (`DsaBlock`); None when the MLAPO weights have no native packs."""
+    W = attn._fused_weights()
+    if not {"w_a", "q_b_proj", "w_uk_t", "index_wq_b"} <= set(W.packed):
+        return None
+    w_uv, w_o = attn.kv_b_packs(columns=False)[1], attn.o_proj.row_pack()
+    keep = [norm.weight, W.packed["w_a"], W.packed["q_b_proj"], W.packed["w_uk_t"], W.packed["index_wq_b"], w_uv,
+            w_o, W.q_a_norm, W.kv_a_norm, W.index_k_norm_weight, W.index_k_norm_bias]
+    c = attn.config
+    block = DsaBlock(
+        hidden=c.hidden_size, heads=attn.H, nope=attn.n, rope=attn.rho, v_dim=attn.v, rank=attn.r,
+        q_rank=c.q_lora_rank, a_width=sum(W.split_a), gate_width=attn.H * attn.v if W.g_proj is not None else 0,
+        index_dim=W.index_head_dim, index_rope=W.index_rope_dim, index_heads=W.index_n_heads,
+        index_topk=c.index_topk, norm_w=norm.weight.data_ptr(), w_a=W.packed["w_a"].data_ptr(),
+        qa_norm_w=W.q_a_norm.data_ptr(), w_qb=W.packed["q_b_proj"].data_ptr(), kva_norm_w=W.kv_a_norm.data_ptr(),
+        ik_norm_w=W.index_k_norm_weight.data_ptr(), ik_norm_b=W.index_k_norm_bias.data_ptr(),
+        w_uk=W.packed["w_uk_t"].data_ptr(), w_uv=w_uv.data_ptr(), w_o=w_o.data_ptr(),
+        w_iq=W.packed["index_wq_b"].data_ptr(), eps=norm.eps, q_eps=c.mla_norm_eps, kv_eps=c.mla_norm_eps,
+        index_eps=c.index_norm_eps, scale=attn.scale, index_weight_scale=W.index_n_heads ** -0.5,
+        index_dim_scale=W.index_head_dim ** -0.5)
+    return Descriptor(block, keep)
+
+
+def _page_rows(t, width: int) -> bool:
+    """A plain bf16/fp32 CPU page tensor of rows of `width` (not an 8-bit cache)."""
+    return (isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float32) and t.device.type == "cpu"
+            and t.stride(-1) == 1 and t.shape[-1] == width)
+
+
+def dsa_pages(attn: MLAttention, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's latent and index-key page rows when both are plain bf16/fp32 rows (not an 8-bit cache, not a
+    cache that stores sequences contiguously)."""
+    pages = cache.mla_pages(attn.layer)
+    if pages is None:
+        return None
+    latent, keys, scales = pages
+    if scales is not None or not (_page_rows(latent, attn.r + attn.rho) and _page_rows(keys, attn.indexer.head_dim)):
+        return None
+    return latent, keys
+
+
+def ffn_plan(ffn: torch.nn.Module, norm: RMSNorm, config: ModelConfig) -> Plan | None:
+    """The routed MoE (plain or latent) and/or the shared or dense MLP, when every part runs on the native kernels."""
+    moe = ffn if isinstance(ffn, MoE) else None
+    mlp = ffn if isinstance(ffn, MLP) else ffn.shared_experts if moe is not None else None
+    if moe is None and mlp is None:
+        return None
+    latent = _latent_parts(moe) if moe is not None else []
+    parts = [norm, *([moe.gate, moe.experts, *latent] if moe is not None else []),
+             *([mlp.gate_proj, mlp.up_proj, mlp.down_proj] if mlp is not None else [])]
+    if not _all_native(*parts):  # a quantised part keeps the modules
+        return None
+    sources = [norm.weight]
+    if moe is not None:
+        sources += [moe.gate.weight, moe.gate.e_score_correction_bias, moe.experts.w1, moe.experts.w3,
+                    moe.experts.w2, *(m.weight for m in latent)]
+    if mlp is not None:
+        sources += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    max_rows = LINEAR_MAX_ROWS if moe is not None and moe.latent else BLOCK_MAX_ROWS
+    return Plan("ffn", ffn, sources, lambda: _ffn_descriptor(config, norm, moe, mlp), max_rows)
+
+
+def _latent_parts(moe: MoE) -> list[torch.nn.Module]:
+    """K3's latent projections (and norm, when there is one) around the experts; none for a plain MoE."""
+    if not moe.latent:
+        return []
+    parts = [moe.routed_expert_down_proj, moe.routed_expert_up_proj]
+    return parts + ([moe.routed_expert_norm] if moe.routed_expert_norm is not None else [])
+
+
+def _ffn_descriptor(c: ModelConfig, norm: RMSNorm, moe: MoE | None, mlp: MLP | None) -> Descriptor:
+    """The block's descriptor (`MoeBlock`): fields of absent parts stay 0."""
+    keep: list[torch.Tensor] = [norm.weight]
+    situ = situ_params(c)
+    block = MoeBlock(hidden=c.hidden_size, norm_w=norm.weight.data_ptr(), situ=int(situ is not None), eps=norm.eps,
+                     routed_scale=c.routed_scaling_factor, situ_beta=situ[0] if situ else 0.0,
+                     situ_linear_beta=math.nan if situ is None or situ[1] is None else situ[1])
+    if moe is not None:
+        router_w, bias = moe.gate.weight_f32(), moe.gate.bias_f32()
+        w1, w3, w2 = stacks = moe.experts.column_packs()
+        keep += [router_w, bias, *stacks]
+        block.experts, block.expert_width, block.topk = c.num_experts, moe.experts.w1.shape[1], c.num_experts_per_token
+        block.router_w, block.router_bias = router_w.data_ptr(), bias.data_ptr()
+        block.softmax, block.renorm = int(c.router_activation != "sigmoid"), int(c.moe_renormalize)
+        block.groups, block.topk_group = c.num_expert_group, c.topk_group
+        block.w1, block.w3, block.w2 = w1.data_ptr(), w3.data_ptr(), w2.data_ptr()
+    if mlp is not None:
+        linears = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        (s1, s3, s2), (c_s1, c_s3, c_s2) = [m.row_pack() for m in linears], [m.column_pack() for m in linears]
+        keep += [s1, s3, s2, c_s1, c_s3, c_s2]
+        block.shared_width = mlp.gate_proj.out_features
+        block.s1, block.s3, block.s2 = s1.data_ptr(), s3.data_ptr(), s2.data_ptr()
+        block.c_s1, block.c_s3, block.c_s2 = c_s1.data_ptr(), c_s3.data_ptr(), c_s2.data_ptr()
+    if moe is not None and moe.latent:
+        down, up = moe.routed_expert_down_proj.row_pack(), moe.routed_expert_up_proj.row_pack()
+        keep += [down, up]
+        block.latent, block.w_down, block.w_up = moe.latent, down.data_ptr(), up.data_ptr()
+        if moe.routed_expert_norm is not None:
+            keep.append(moe.routed_expert_norm.weight)
+            block.latent_norm_w = moe.routed_expert_norm.weight.data_ptr()
+            block.latent_eps = moe.routed_expert_norm.eps
+    return Descriptor(block, keep)
+
+
