@@ -15,3 +15,10 @@ def cache_dir() -> Path:
     if "DELTASERVE_CACHE_DIR" in os.environ:
         return Path(os.environ["DELTASERVE_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaserve"
+
+
+def native_march() -> str:
+    """DELTASERVE_NATIVE_MARCH: the CPU the native kernels are compiled for, as gcc's `-march` takes it (default
+    `native`: this machine; `x86-64-v3` builds for any AVX2+FMA x86-64 CPU, as CI does). On ARM, `native` becomes
+    `-mcpu=native`. A new value builds a new library (ops/native.py); one the CPU cannot run crashes on first use."""
+    return os.environ.get("DELTASERVE_NATIVE_MARCH") or "native"

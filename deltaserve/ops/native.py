@@ -3,11 +3,13 @@ sampling.c, isa.c, common.h, kernels.h, contract.h): built once per machine, loa
 points' signatures of ops/native_contract.py. On CPUs with AMX-BF16 the column-packed products (linears above 4 rows, the
 routed and shared experts) run on the tile unit from 4 rows up (`tiles_usable`).
 
-The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for this CPU (-march=native)
-into the cache folder (`envs.cache_dir()`), under a name that hashes the sources, the flags and the compiler, so
-an edit or a different machine builds anew; a concurrent build by another process is harmless (atomic rename).
-Without a compiler `native_library()` returns None and every caller keeps its torch path. On a CPU without
-AVX-512 BF16 (AVX2-only x86, ARM) the kernels' portable forms compile; the log says which forms were built.
+The sources are compiled at first use with the system C compiler (`cc`, else `gcc`) for the CPU
+`envs.native_march()` names (DELTASERVE_NATIVE_MARCH, default this one: -march=native, on ARM -mcpu=native; CI
+also builds for x86-64-v3) into the cache folder (`envs.cache_dir()`), under a name that hashes the sources, the
+flags and the compiler, so an edit, another target or a different machine builds anew; a concurrent build by
+another process is harmless (atomic rename). Without a compiler `native_library()` returns None and every caller
+keeps its torch path. On a CPU without AVX-512 BF16 (AVX2-only x86, ARM) the kernels' portable forms compile; the
+log says which forms were built, and `native_choice` says whether `--backend auto` takes them.
 
 The wrappers take torch tensors and check what the C side assumes (bf16, CPU, contiguous rows); the reference
 twins are `F.linear`, the torch MoE dispatch and router in `layers/moe.py` and the torch norms (tests/test_native.py
@@ -33,12 +35,35 @@ from pathlib import Path
 import torch
 
 from .. import envs
-from .native_contract import ISA_AMX_BF16, ISA_AVX512BF16, LinearTask, set_signatures
+from .native_contract import ISA_AMX_BF16, ISA_AVX2, ISA_AVX512BF16, ISA_AVX512F, ISA_FMA, LinearTask, set_signatures
 
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("native_src")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+
+
+def _arm(machine: str) -> bool:
+    return machine.lower().startswith(("arm", "aarch64"))
+
+
+def build_flags(march: str | None = None) -> list[str]:
+    """The compiler flags of the library, for the CPU `march` (default `envs.native_march()`) as gcc's -march takes
+    it; `native` on ARM is spelled -mcpu=native there."""
+    march = envs.native_march() if march is None else march
+    target = "-mcpu=native" if march == "native" and _arm(platform.machine()) else f"-march={march}"
+    return ["-O3", target, "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+
+
+# The flags `native_library` builds with, DELTASERVE_NATIVE_MARCH read once, when this module is imported.
+FLAGS = build_flags()
+# The ISA_* bits by name, in the order `isa_names` lists them.
+_ISA_NAMES = ((ISA_AVX2, "AVX2"), (ISA_FMA, "FMA"), (ISA_AVX512F, "AVX-512F"), (ISA_AVX512BF16, "AVX-512 BF16"),
+              (ISA_AMX_BF16, "AMX-BF16"))
+
+
+def isa_names(isa: int) -> str:
+    """The instruction sets of `ds_vector_isa()` bits, as "AVX2+FMA+AVX-512F"; "" for none of them."""
+    return "+".join(name for bit, name in _ISA_NAMES if isa & bit)
 
 
 def compiler() -> str | None:
@@ -54,13 +79,38 @@ def native_library() -> ctypes.CDLL | None:
     lib = build_library(FLAGS)
     if lib is None:
         return None
-    isa = lib.ds_vector_isa()
+    isa, target = lib.ds_vector_isa(), FLAGS[1]
     if isa & ISA_AVX512BF16:
-        log.info("native kernels: AVX-512 BF16%s", " and AMX-BF16 tiles" if isa & ISA_AMX_BF16 else "")
+        log.info("native kernels (%s): AVX-512 BF16%s", target, " and AMX-BF16 tiles" if isa & ISA_AMX_BF16 else "")
     else:
-        log.info("native kernels: this CPU (%s) lacks AVX-512 BF16, so their portable forms run, as the compiler "
-                 "vectorises them for it; --no-native-kernels runs torch's instead", platform.machine() or "unknown")
+        log.info("native kernels (%s): built without AVX-512 BF16, so their portable forms run, vectorised by the "
+                 "compiler for %s", target, isa_names(isa) or platform.machine() or "this CPU")
     return lib
+
+
+def native_choice() -> tuple[bool, str]:
+    """Whether `--backend auto` takes the native kernels, and why, in one sentence (for the log and /version).
+    They are written for AVX-512 BF16 (and AMX); their portable forms built for AVX2+FMA were measured faster than
+    torch on an AVX2 EPYC (BENCHMARKS.md, "The native kernels without AVX-512"). So: yes on x86-64 when the library
+    builds and was compiled for at least AVX2+FMA (x86-64-v3, read from its `ds_vector_isa()`); torch on other CPU
+    kinds (ARM: not measured), when the build fails, and below x86-64-v3 (not measured)."""
+    machine = platform.machine() or "unknown"
+    if machine.lower() not in ("x86_64", "amd64", "x64"):
+        return False, f"{machine}: the native kernels are not measured against torch on this CPU kind, so torch runs"
+    lib = native_library()
+    if lib is None:
+        why = "there is no C compiler" if compiler() is None else "their build failed, see the log"
+        return False, f"the native kernels did not build ({why}), so torch runs"
+    isa, target = lib.ds_vector_isa(), FLAGS[1]
+    names = isa_names(isa)
+    if isa & (ISA_AVX2 | ISA_FMA) != ISA_AVX2 | ISA_FMA:
+        return False, (f"{machine} built for {names or 'no AVX2'} ({target}): below x86-64-v3 the native kernels "
+                       "are not measured against torch, so torch runs")
+    if isa & ISA_AVX512BF16:
+        return True, (f"{machine} built for {names} ({target}): the native kernels run the AVX-512 BF16 forms they "
+                      "are written for")
+    return True, (f"{machine} built for {names} ({target}): the native kernels' portable forms, measured faster "
+                  "than torch on an AVX2 EPYC (BENCHMARKS.md)")
 
 
 def build_library(flags: list[str]) -> ctypes.CDLL | None:

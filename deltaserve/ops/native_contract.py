@@ -48,12 +48,14 @@ MAX_MIX_SOURCES = 64
 SOP_KDA, SOP_MLA, SOP_DSA, SOP_FFN, SOP_MIX = 1, 2, 3, 4, 5
 # The vector instruction sets a build of the library was compiled for (`ds_vector_isa`, a bit each): the kernels
 # are written for AVX-512 with BF16 pairs (and AMX tiles above a few rows); without them their portable forms
-# compile instead.
-ISA_AVX512F, ISA_AVX512BF16, ISA_AMX_BF16 = 1, 2, 4
+# compile instead. AVX2 and FMA (x86-64-v3) are the floor at which `--backend auto` takes those portable forms
+# (ops/native.py `native_choice`).
+ISA_AVX512F, ISA_AVX512BF16, ISA_AMX_BF16, ISA_AVX2, ISA_FMA = 1, 2, 4, 8, 16
 
 CONSTANTS = {name: globals()[name] for name in ("LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "TILE_MIN_ROWS",
                                                 "MAX_MIX_SOURCES", "SOP_KDA", "SOP_MLA", "SOP_DSA", "SOP_FFN",
-                                                "SOP_MIX", "ISA_AVX512F", "ISA_AVX512BF16", "ISA_AMX_BF16")}
+                                                "SOP_MIX", "ISA_AVX512F", "ISA_AVX512BF16", "ISA_AMX_BF16",
+                                                "ISA_AVX2", "ISA_FMA")}
 
 
 @dataclass(frozen=True)

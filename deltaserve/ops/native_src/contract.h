@@ -18,6 +18,8 @@
 #define ISA_AVX512F 1
 #define ISA_AVX512BF16 2
 #define ISA_AMX_BF16 4
+#define ISA_AVX2 8
+#define ISA_FMA 16
 
 /* One product of ds_linear_bf16: y [M, n] (row stride ldy) = x [M, K] (row stride ldx) @ W^T for W [n, K] row-major
  * (row stride ldw) or packed by pack_rows (ldw -1); the tasks of a call may share x (several weights over one input)
