@@ -1,5 +1,5 @@
 """The package's layering, checked on the source: `ops -> layers -> models`, the caches beside the models on the
-`ModelCache` interface, `engine` over them, `server` on top. A module imports only from its own package or from a
+`ModelCache` interface, the execution `backends` over the models, `engine` over them, `server` on top. A module imports only from its own package or from a
 package of a lower rank, and no chain of imports between modules comes back to where it started (imports inside
 functions count too: a local import that hides a cycle is still a cycle)."""
 
@@ -18,10 +18,11 @@ RANKS = {
     "ops": 2,
     "layers": 3, "chat": 3,
     "models": 4, "cache": 4,
-    "engine": 5,
-    "server": 6,
-    "tools": 7,
-    "cli": 8, "__init__": 8, "__main__": 8,
+    "backends": 5,
+    "engine": 6,
+    "server": 7,
+    "tools": 8,
+    "cli": 9, "__init__": 9, "__main__": 9,
 }
 
 
@@ -111,3 +112,15 @@ def test_the_checks_see_imports():
     assert "deltaserve.models.mtp" in graph["deltaserve.models.base"]
     assert "deltaserve.engine.core" in graph["deltaserve.server.messages"]
     assert any(t.startswith("deltaserve.ops.") for t in graph["deltaserve.layers.mla"])
+
+
+def test_the_model_is_math_only():
+    """layers/ and models/ never reach the native kernels or keep a switch for how they run: the backends decide
+    that (docs/architecture.md §4)."""
+    graph = _graph()
+    bad = [f"{m} imports {t}" for m, ts in graph.items() if _top(m) in ("layers", "models")
+           for t in ts if t == "deltaserve.ops.native" or _top(t) == "backends"]
+    switches = ("self.native", "self.prepack", "fuse_blocks", "fuse_stack", "native_library")
+    for path in [*(PACKAGE / "layers").glob("*.py"), *(PACKAGE / "models").glob("*.py")]:
+        bad += [f"{path.name} names {s}" for s in switches if s in path.read_text()]
+    assert not bad, "\n".join(bad)

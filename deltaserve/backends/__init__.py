@@ -1,4 +1,4 @@
-"""Execution backends: how a loaded model runs, chosen once at load (docs/architecture.md §4).
+"""Execution backends: how a loaded model runs, chosen once at load (docs/architecture.md "How the model runs").
 
 The model (layers/, models/) is the readable torch forward of every family. A backend takes it as loaded and
 decides how each step runs:

@@ -1,4 +1,4 @@
-"""Packed copies of weight matrices, for the backends' products (docs/architecture.md §4).
+"""Packed copies of weight matrices, for the backends' products (docs/architecture.md "How the model runs").
 
 `PackedWeights` keeps the packed forms of one weight matrix, or of several that read the same input (their rows
 stacked in order: one product instead of one per weight), each built on first use and rebuilt when a source's storage

@@ -1,4 +1,4 @@
-"""Choosing the backend, once, at load (docs/architecture.md §4)."""
+"""Choosing the backend, once, at load (docs/architecture.md "How the model runs")."""
 
 from __future__ import annotations
 

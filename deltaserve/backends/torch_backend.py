@@ -1,5 +1,5 @@
 """The torch backend: the model's own modules with the fast or the reference op set, on any torch device
-(docs/architecture.md §4). With the fast op set and bf16 CPU weights that oneDNN takes, the linears and routed experts
+(docs/architecture.md "How the model runs"). With the fast op set and bf16 CPU weights that oneDNN takes, the linears and routed experts
 multiply with weights packed once for oneDNN (`backends/packs.py`): the same kernel as `F.linear`, bit for bit,
 without reordering the weight on every call."""
 

@@ -1,4 +1,4 @@
-"""The native backend: the model on the native CPU kernels (docs/architecture.md §4).
+"""The native backend: the model on the native CPU kernels (docs/architecture.md "How the model runs").
 
 At load, the leaf modules whose weights the kernels take get their native forms (modules.py). Each step of a kind
 the programs take (program.py: a step over the paged caches of at most `BLOCK_MAX_ROWS` rows) runs as that kind's
