@@ -1,0 +1,303 @@
+"""The native backend's programs (backends/native/program.py, native_src/stack.c) against the native modules they
+stand for, bit for bit (hidden states, KDA states, checkpoints, latent pages; DSA layers to bf16 rounding: the block
+computes the indexer key's LayerNorm and the gate in C) on the tiny presets of each family and on every kind of step:
+pure decode (few and many rows), prefill chunks, chunks cut by a prefix-cache snapshot, quantised layers, caches the
+blocks cannot read, no cache; rebuilds on weight and cache changes; errors; engines whose greedy tokens through the
+programs are those of the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from block_utils import (assert_caches_equal, count_programs, decode_batch, native_model, program_and_module_tokens,
+                         run_step, twin_caches)
+from deltaserve.backends.native.program import Programs, StepKind, write_program
+from deltaserve.cache.page_pool import PagePool
+from deltaserve.cache.paged_cache import PagedCache, SeqHandle
+from deltaserve.cache.sequence_cache import SequenceCache
+from deltaserve.cache.state_slots import StateSlots
+from deltaserve.layers.batch import StepBatch
+from deltaserve.ops import native
+from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
+
+pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
+
+DSA_PRESETS = ("k31-tiny", "deepseek-v32-tiny")
+
+
+def _assert_same(got: torch.Tensor, want: torch.Tensor, dsa: bool, what: str) -> None:
+    if not dsa:
+        assert torch.equal(got, want), what
+        return
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2, msg=what)
+    assert (got == want).float().mean() > 0.5, what
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "k3-tiny", "deepseek-v32-tiny"])
+@pytest.mark.parametrize("slots", [[2], [0, 3, 1], [4, 1, 2, 0]])
+def test_decode_program_equals_the_modules(make_checkpoint, monkeypatch, preset, slots):
+    """Three decode steps running (states and pages carried) through the program and through the modules; K3's
+    AttnRes mixes and block bank are in the program too."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint(preset))
+    program_cache, module_cache = twin_caches(model, len(slots))
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for step in range(3):
+            ids = torch.randint(0, model.config.vocab_size, (len(slots),), generator=g)
+            got = run_step(model, backend, ids, decode_batch(program_cache, slots, 4 + step, model.config), True)
+            want = run_step(model, backend, ids, decode_batch(module_cache, slots, 4 + step, model.config), False)
+            _assert_same(got, want, preset in DSA_PRESETS, f"step {step}")
+            assert_caches_equal(program_cache, module_cache, keys_close=preset in DSA_PRESETS)
+    assert taken == [True] * 3
+
+
+@pytest.mark.parametrize("preset", DSA_PRESETS)
+def test_decode_program_past_the_indexer_top_k(make_checkpoint, monkeypatch, preset):
+    """Contexts of 31-34 rows against a top-k of 16: the DSA blocks score and select in C."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint(preset))
+    program_cache, module_cache = twin_caches(model, 2, pages_per_sequence=3)
+    slots = [1, 0, 3, 2]
+    g = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for step in range(2):
+            ids = torch.randint(0, model.config.vocab_size, (len(slots),), generator=g)
+            batches = [decode_batch(c, slots, 30 + step, model.config, pages_per_sequence=3)
+                       for c in (program_cache, module_cache)]
+            assert not batches[0].index_meta.all_short
+            got = run_step(model, backend, ids, batches[0], True)
+            want = run_step(model, backend, ids, batches[1], False)
+            _assert_same(got, want, True, f"step {step}")
+    assert taken == [True] * 2
+
+
+@pytest.mark.parametrize("slots", [[5, 0, 3, 1, 2], list(range(17, -1, -1))])
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny"])
+def test_wide_decode_program_equals_the_modules(make_checkpoint, monkeypatch, slots, preset):
+    """Decode steps of 5 and 18 sequences: products on the column packs; on K3.1 the DSA layers and the latent MoE
+    take more rows than their blocks, so the program runs their modules between native runs."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint(preset))
+    pages = (4 + 2 + len(slots)) // 16 + 1  # sequence i decodes at positions 4 + i .. 6 + i
+    program_cache, module_cache = twin_caches(model, len(slots), pages, sequences=len(slots))
+    g = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        for step in range(3):
+            ids = torch.randint(0, model.config.vocab_size, (len(slots),), generator=g)
+            got = run_step(model, backend, ids, decode_batch(program_cache, slots, 4 + step, model.config, pages), True)
+            want = run_step(model, backend, ids, decode_batch(module_cache, slots, 4 + step, model.config, pages),
+                            False)
+            assert torch.equal(got, want), f"step {step}"
+            assert_caches_equal(program_cache, module_cache)
+    assert taken == [True] * 3
+
+
+def _chunk_batch(cache, snapshots, slots=(2, 0, 3), contexts=(3, 7, 0), lengths=(5, 1, 12)) -> StepBatch:
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(contexts, lengths)])
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    handles = [SeqHandle(s, torch.arange(16 * i, 16 * i + c + n))
+               for i, (s, c, n) in enumerate(zip(slots, contexts, lengths))]
+    write_rows = torch.cat([h.rows[c:] for h, c in zip(handles, contexts)])
+    return StepBatch(positions, starts, list(contexts), cache, handles, kda_snapshots=snapshots, write_rows=write_rows)
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "k3-tiny"])
+@pytest.mark.parametrize("snapshots, kda_native", [([[(5, 0)], [], [(12, 2)]], True),
+                                                   ([[(2, 0)], [], [(12, 2)]], False)])
+def test_chunk_program_equals_the_modules(make_checkpoint, monkeypatch, preset, snapshots, kda_native):
+    """A step of prefill chunks and a decode token (5, 1 and 12 rows): the KDA blocks take it when every snapshot
+    falls at a chunk's end, the modules when one cuts a chunk; MLA layers (not a pure decode step) run their modules
+    between native runs. Outputs, states, latent pages and checkpoints agree bit for bit."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint(preset))
+    caches = twin_caches(model, 3)
+    for cache in caches:
+        cache.checkpoints = StateSlots(model.config, 3)
+    ids = torch.randint(0, model.config.vocab_size, (18,), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        got = run_step(model, backend, ids, _chunk_batch(caches[0], snapshots), True)
+        want = run_step(model, backend, ids, _chunk_batch(caches[1], snapshots), False)
+    assert torch.equal(got, want)
+    assert_caches_equal(*caches)
+    assert torch.equal(caches[0].checkpoints.recurrent, caches[1].checkpoints.recurrent)
+    assert torch.equal(caches[0].checkpoints.conv, caches[1].checkpoints.conv)
+    assert caches[0].checkpoints.recurrent[[0, 2]].abs().sum() > 0 and caches[0].checkpoints.recurrent[1].abs().sum() == 0
+    assert taken == [True]
+    kind = StepKind.of(_chunk_batch(caches[0], snapshots), 18)
+    assert kind == StepKind(kda=kda_native, decode=False, few=False)
+    program = write_program(model, kind, backend.programs.plans, caches[0])
+    kinds = [k for seg in program.segments for k in (seg.kinds or [seg.node.kind])]
+    assert ("kda" in kinds) == kda_native and "mla" not in kinds and "attention" in kinds
+
+
+def test_a_decode_program_of_native_layers_is_one_call(make_checkpoint):
+    """kimi-linear-tiny's decode program is one native run; its registers are reused (a plain residual stack needs
+    two: each sub-block reads one and writes the other)."""
+    model, backend = native_model(make_checkpoint("kimi-linear-tiny"))
+    cache = twin_caches(model, 0)[0]
+    kind = StepKind.of(decode_batch(cache, [0, 1], 3, model.config), 2)
+    assert kind == StepKind(kda=True, decode=True, few=True)
+    program = write_program(model, kind, backend.programs.plans, cache)
+    assert len(program.segments) == 1 and program.native_ops == 2 * len(model.layers)
+    assert program.registers == 2
+
+
+def test_quantised_layers_run_their_modules_inside_the_program(make_checkpoint, monkeypatch):
+    """With the routed experts in MXFP4, no MoE FFN block applies: the program runs those sub-blocks' modules between
+    the native attention blocks, with the modules' result. With every attention linear in MXFP8 as well, no
+    sub-block is native and the modules run the step."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint("kimi-linear-tiny"), quantization="w4a8-mxfp4")
+    caches = twin_caches(model, 5)
+    ids = torch.tensor([3, 8])
+    with torch.inference_mode():
+        batches = [decode_batch(c, [0, 1], 4, model.config) for c in caches]
+        got, want = run_step(model, backend, ids, batches[0], True), run_step(model, backend, ids, batches[1], False)
+    assert torch.equal(got, want)
+    assert_caches_equal(*caches)
+    program = write_program(model, StepKind.of(batches[0], 2), backend.programs.plans, caches[0])
+    kinds = [k for seg in program.segments for k in (seg.kinds or [seg.node.kind])]
+    assert "ffn-modules" in kinds and "kda" in kinds and "mla" in kinds
+    model, backend = native_model(make_checkpoint("kimi-linear-tiny"), quantization="mxfp")
+    cache = twin_caches(model, 5)[0]
+    assert write_program(model, StepKind.of(decode_batch(cache, [0], 4, model.config), 1), backend.programs.plans,
+                         cache) is None
+    assert taken == [True]
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "deepseek-v32-tiny"])
+def test_a_contiguous_cache_runs_the_modules(make_checkpoint, monkeypatch, preset):
+    """A step over a SequenceCache (no slots, no pages): no program; the modules' result."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint(preset))
+    ids = torch.tensor([3, 9, 4, 7])
+    outs = []
+    with torch.inference_mode():
+        for program in (True, False):
+            cache = SequenceCache(model.config, torch.bfloat16)
+            handle = cache.new_sequence()
+            run_step(model, backend, ids[:3], StepBatch.single(3, 0, cache, handle), program)
+            outs.append(run_step(model, backend, ids[3:], StepBatch.single(1, 3, cache, handle), program))
+    assert taken[:2] == [False, False] or taken == [True, True]
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "deepseek-v32-tiny"])
+def test_no_cache_runs_the_modules(make_checkpoint, monkeypatch, preset):
+    """The plain forward of a short sequence (no cache at all) takes no program."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint(preset))
+    ids = torch.tensor([5, 11, 2])
+    with torch.inference_mode():
+        got = run_step(model, backend, ids, StepBatch.single(3), True)
+        assert torch.equal(got, run_step(model, backend, ids, StepBatch.single(3), False))
+    assert taken == [False]
+
+
+def test_programs_follow_weight_and_cache_changes(make_checkpoint):
+    """An in-place weight edit and a new cache object rewrite the program (it holds their addresses)."""
+    model, backend = native_model(make_checkpoint("k3-tiny"))
+    ids = torch.tensor([5])
+    with torch.inference_mode():
+        for change in range(3):
+            if change == 1:
+                model.layers[2].self_attn.o_proj.weight.mul_(2)
+                model.layers[3].ffn.experts.w2.mul_(-1)
+            program_cache, module_cache = twin_caches(model, change)  # new caches each round
+            got = run_step(model, backend, ids, decode_batch(program_cache, [1], 5, model.config), True)
+            want = run_step(model, backend, ids, decode_batch(module_cache, [1], 5, model.config), False)
+            assert torch.equal(got, want), f"change {change}"
+            assert_caches_equal(program_cache, module_cache)
+            if change == 0:
+                before = got
+    assert not torch.equal(got, before)
+
+
+def test_decode_program_takes_prefix_cache_snapshots(make_checkpoint, monkeypatch):
+    """A decode step on which two sequences end a page (snapshots after their token) fills the checkpoints as the
+    modules do."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint("kimi-linear-tiny"))
+    caches = twin_caches(model, 4)
+    for cache in caches:
+        cache.checkpoints = StateSlots(model.config, 3)
+    ids = torch.tensor([7, 8, 9])
+    outs = []
+    with torch.inference_mode():
+        for cache, program in zip(caches, (True, False)):
+            batch = decode_batch(cache, [0, 3, 1], 5, model.config)
+            batch.kda_snapshots = [[(1, 2)], [], [(1, 0)]]
+            outs.append(run_step(model, backend, ids, batch, program))
+    assert taken == [True]
+    assert torch.equal(outs[0], outs[1])
+    assert_caches_equal(*caches)
+    stacked, modules = (c.checkpoints for c in caches)
+    assert torch.equal(stacked.conv, modules.conv) and torch.equal(stacked.recurrent, modules.recurrent)
+    assert stacked.recurrent[[0, 2]].abs().sum() > 0 and stacked.recurrent[1].abs().sum() == 0
+
+
+def test_program_rejects_a_cache_row_outside_the_pages(make_checkpoint):
+    model, backend = native_model(make_checkpoint("kimi-linear-tiny"))
+    cache = twin_caches(model, 0)[0]
+    batch = decode_batch(cache, [0], 3, model.config)
+    batch.write_rows = torch.tensor([10 ** 6])
+    with torch.inference_mode(), pytest.raises(IndexError, match="native program: a mla op rejected its inputs"):
+        backend.forward(model, torch.tensor([3]), batch)
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "deepseek-v32-tiny"])
+@pytest.mark.parametrize("lengths", [[3, 6, 4], [20, 35, 9]])
+def test_engine_runs_its_steps_through_programs(make_checkpoint, monkeypatch, preset, lengths):
+    """A bf16 engine on the native backend runs its prefill and decode steps through programs, with the greedy
+    tokens of the modules: contexts within the tiny DSA presets' indexer top-k (16), and past it across page
+    ends."""
+    taken = count_programs(monkeypatch)
+    path = make_checkpoint(preset)
+    got, want = program_and_module_tokens(path, random_prompts(lengths, seed=6, high=700), monkeypatch)
+    assert got == want
+    assert taken == [True] * 8  # one prefill step, then the 7 decode steps of all three
+
+
+def test_engine_decodes_many_sequences_through_programs(make_checkpoint, monkeypatch):
+    """20 sequences on kimi-linear-tiny (column packs; the tile unit where there is one) with the modules' tokens."""
+    rows, run = [], Programs.run
+
+    def counted(self, model, h, batch):
+        out = run(self, model, h, batch)
+        if out is not None:
+            rows.append(h.shape[0])
+        return out
+
+    monkeypatch.setattr(Programs, "run", counted)
+    path = make_checkpoint("kimi-linear-tiny")
+    got, want = program_and_module_tokens(path, random_prompts([3 + 2 * i for i in range(20)], seed=4, high=700),
+                                          monkeypatch)
+    assert got == want
+    assert len(rows) >= 7 and max(rows) >= 16
+
+
+def test_checkpoints_from_programs_serve_later_prefix_hits(make_checkpoint, monkeypatch):
+    """Steps that end a page snapshot the KDA states inside the program; a second round whose prompts extend the
+    first round's sequences resumes from those checkpoints, with the tokens of an engine on the modules."""
+    taken = count_programs(monkeypatch)
+    path = make_checkpoint("kimi-linear-tiny")
+    prompts = random_prompts([9, 30], seed=8, high=700)
+    runs, hits = [], []
+    for program in (True, False):
+        with monkeypatch.context() as m:
+            if not program:
+                m.setattr(Programs, "run", lambda self, model, h, batch: None)
+            llm = make_llm(path, dtype="bfloat16", backend="native")
+            first = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+            longer = [p + list(t) + [5, 6] for p, t in zip(prompts, first)]  # 9 + 12 crosses 16, 30 + 12 crosses 32
+            second = [o.outputs[0].token_ids for o in llm.generate(longer, greedy(4), use_tqdm=False)]
+            runs.append((first, second))
+            hits.append(llm.engine.core.prefix.num_hit_tokens)
+            assert_pools_free(llm.engine)
+    assert runs[0] == runs[1]
+    assert hits[0] == hits[1] >= 16 + 32
+    assert taken.count(True) >= 11
