@@ -135,3 +135,26 @@ def test_soak_small(tmp_path, k31_tiny):
     assert res["tracebacks_in_log"] == 0
     assert res["preemptions"] > 0, "the small cache did not force a preemption"
     assert res["rss_baseline_mb"] > 0 and len(payload["rss_samples"]) >= 2
+
+
+def test_backends_native_vs_torch(tmp_path, k31_tiny, capsys):
+    """Both backends run on one checkpoint (bf16 by default); the table has its rows and the agreement is a
+    percentage."""
+    payload = _bench(tmp_path, "backends", "--model", k31_tiny, "--num-prompts", "2", "--output-len", "8")
+    table = capsys.readouterr().out
+    for row in ("prompts", "teacher-forced argmax agreement (%)", "mean |dlogprob|", "max |dlogprob|",
+                "free-running identical prefix (mean/min)", "wall time native", "wall time torch"):
+        assert row in table, row
+    assert payload["config"]["dtype"] == "bfloat16"
+    backends = payload["backends"]
+    assert backends["native"]["backend"] == "native" and backends["native"]["ops"] == "native"
+    assert backends["torch"]["backend"] == "torch" and backends["torch"]["ops"] == "fast"
+    assert backends["native"]["reason"] != backends["torch"]["reason"]
+    assert f"native: {backends['native']['reason']}" in table and f"torch: {backends['torch']['reason']}" in table
+    s = payload["summary"]
+    assert s["prompts"] == 2 and s["tokens"] == 16
+    assert 0 <= s["teacher_forced_agreement_pct"] <= 100 and 0 <= s["native_self_agreement_pct"] <= 100
+    assert 0 <= s["mean_abs_dlogprob"] <= s["max_abs_dlogprob"]
+    assert 0 <= s["free_identical_prefix_min"] <= s["free_identical_prefix_mean"] <= 8
+    assert s["native_generate_s"] > 0 and s["torch_generate_s"] > 0
+    assert all(len(p["native_tokens"]) == len(p["torch_tokens"]) == 8 for p in payload["prompts"])

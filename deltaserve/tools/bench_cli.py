@@ -95,6 +95,13 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
 
     add_quant_args(qb)
 
+    bb = _engine_parser(bs, "backends", "native vs torch backend: teacher-forced greedy agreement, |delta logprob|, "
+                                        "free-running identical prefix (--backend is ignored: both run)",
+                        "bench_backends", "run_backends")
+    from .bench_backends import add_backends_args
+
+    add_backends_args(bb)
+
     ob = bs.add_parser("ops", help="each fast op vs its reference twin at k31-small shapes")
     ob.add_argument("--repeats", type=int, default=3)
     ob.set_defaults(func=_ops)
