@@ -503,14 +503,16 @@ def test_qsfa_kernel_matches_the_torch_form(monkeypatch, dtype, T, H, r, rho):
     selected[0, 17:] = -1  # a short row (more than one block of 16 rows, then padding)
     if T > 1:
         selected[1] = -1   # no row at all: zeros and lse -inf
-    fast = qsfa_mod.qsfa(q_lat, q_pe, latent, selected, 0.3)
-    monkeypatch.setattr(native, "native_library", lambda: None)
+    on_kernel = qsfa_mod.qsfa_native(q_lat, q_pe, latent, selected, 0.3)
     torch_form = qsfa_mod.qsfa(q_lat, q_pe, latent, selected, 0.3)
-    for a, b in zip(fast, torch_form):
+    for a, b in zip(on_kernel, torch_form):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(native, "native_library", lambda: None)  # no library: exactly the torch form
+    for a, b in zip(qsfa_mod.qsfa_native(q_lat, q_pe, latent, selected, 0.3), torch_form):
+        assert torch.equal(a, b)
     monkeypatch.undo()
     with pytest.raises(IndexError):
-        qsfa_mod.qsfa(q_lat, q_pe, latent, torch.full((T, 2), rows), 0.3)
+        qsfa_mod.qsfa_native(q_lat, q_pe, latent, torch.full((T, 2), rows), 0.3)
 
 
 @pytest.mark.parametrize("M", [1, 3, 40])
