@@ -10,7 +10,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.kda import l2_normalize
-from ..ops.kda_native import kda_gate_beta, kda_gate_beta_ref
 from ..ops.native import gated_rmsnorm_bf16
 from .batch import StepBatch
 from .linear import Linear
@@ -65,9 +64,7 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         N, H, K = x.shape[0], self.H, self.K
         qkv, f_a, b, g_in = self._input_projections(x)
-        # the native gate (vectorised exp and log1p; the fused blocks compute it the same way) at every size: one
-        # pass over the rows where torch runs a chain of elementwise ops, each a pass of its own
-        gate_beta = kda_gate_beta if self.native else kda_gate_beta_ref
+        gate_beta = batch.ops.kda_gate_beta
         g, beta = gate_beta(self.f_b_proj(f_a), b, self.dt_bias, self.A_log, self.config.kda_gate_lower_bound)
         gate = g_in if self.config.kda_full_rank_gate else self.g_b_proj(g_in)
 
