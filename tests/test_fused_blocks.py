@@ -20,6 +20,7 @@ from deltaserve.models import decoder
 from deltaserve.models.loader import load_config
 from deltaserve.ops import native
 from deltaserve.ops.kda_native import kda_gate_beta, kda_gate_beta_native, kda_gate_beta_ref
+from deltaserve.ops.opset import get_ops
 from deltaserve.ops.qli import build_index_meta, qli_topk
 from block_utils import decode_batch, fused_and_module_tokens, native_model, twin_caches
 from engine_utils import random_prompts
@@ -64,7 +65,7 @@ def test_ffn_block_takes_prefill_rows_as_the_modules(make_checkpoint, rows):
 def test_kda_block_takes_prefill_chunks_as_the_module(make_checkpoint):
     """A step of prefill chunks and a decode token (5, 1 and 12 rows, contexts 3, 7 and 0) through each KDA layer's
     block and through its module: outputs, slot states and the prefix-cache checkpoints of the snapshots at the
-    chunks' ends agree bit for bit."""
+    chunks' ends agree bit for bit (the module on the native op set, whose kernels the block runs)."""
     model = native_model(make_checkpoint("kimi-linear-tiny"))
     caches = twin_caches(model, 3)
     for cache in caches:
@@ -75,7 +76,8 @@ def test_kda_block_takes_prefill_chunks_as_the_module(make_checkpoint):
 
     def chunk_batch(cache):
         handles = [SeqHandle(s, torch.arange(c + n)) for s, c, n in zip(slots, contexts, lengths)]
-        return StepBatch(positions, starts, contexts, cache, handles, kda_snapshots=[[(5, 0)], [], [(12, 2)]])
+        return StepBatch(positions, starts, contexts, cache, handles, kda_snapshots=[[(5, 0)], [], [(12, 2)]],
+                         ops=get_ops("native"))
 
     g = torch.Generator().manual_seed(3)
     kda = [l for l in model.layers if isinstance(l.self_attn, KimiDeltaAttention)]
