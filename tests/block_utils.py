@@ -14,6 +14,7 @@ from deltaserve.cache.state_slots import StateSlots
 from deltaserve.layers.batch import StepBatch
 from deltaserve.models.decoder import Eager
 from deltaserve.models.loader import load_model
+from deltaserve.ops.opset import get_ops
 from deltaserve.ops.qli import build_index_meta
 from engine_utils import assert_pools_free, greedy, make_llm
 
@@ -78,7 +79,9 @@ def assert_caches_equal(a: PagedCache, b: PagedCache, keys_close: bool = False) 
 
 def decode_batch(cache: PagedCache, slots: list[int], position: int, config, pages_per_sequence: int = 1) -> StepBatch:
     """Sequence i (state slot slots[i]) owns pages i * pages_per_sequence onwards (16 rows each) and decodes its
-    token at position + i (contexts differ); DSA models get the step's indexer metadata."""
+    token at position + i (contexts differ); DSA models get the step's indexer metadata. The step runs the native op
+    set: the fused blocks and the decode stack compute what the modules compute on the native kernels, bit for bit,
+    so the modules must take those kernels too."""
     N, span = len(slots), 16 * pages_per_sequence
     positions = [position + i for i in range(N)]
     handles = [SeqHandle(s, torch.arange(span * i, span * i + p + 1)) for i, (s, p) in enumerate(zip(slots, positions))]
@@ -86,8 +89,8 @@ def decode_batch(cache: PagedCache, slots: list[int], position: int, config, pag
     tables = [torch.arange(pages_per_sequence * i, pages_per_sequence * (i + 1)) for i in range(N)]
     meta = (build_index_meta(tables, [p + 1 for p in positions], torch.arange(N), torch.tensor(positions), 16,
                              config.index_topk) if config.has_dsa else None)
-    return StepBatch(torch.tensor(positions), list(range(N + 1)), positions, cache, handles, index_meta=meta,
-                     write_rows=write_rows)
+    return StepBatch(torch.tensor(positions), list(range(N + 1)), positions, cache, handles, ops=get_ops("native"),
+                     index_meta=meta, write_rows=write_rows)
 
 
 def program_and_module_tokens(path, prompts: list[list[int]], monkeypatch, max_tokens: int = 8) -> tuple[list, list]:

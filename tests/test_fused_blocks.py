@@ -19,7 +19,8 @@ from deltaserve.layers.native_path import enable_native_kernels
 from deltaserve.models import decoder
 from deltaserve.models.loader import load_config
 from deltaserve.ops import native
-from deltaserve.ops.kda_native import kda_gate_beta, kda_gate_beta_ref
+from deltaserve.ops.kda_native import kda_gate_beta, kda_gate_beta_native, kda_gate_beta_ref
+from deltaserve.ops.opset import get_ops
 from deltaserve.ops.qli import build_index_meta, qli_topk
 from block_utils import decode_batch, fused_and_module_tokens, native_model, twin_caches
 from engine_utils import random_prompts
@@ -64,7 +65,7 @@ def test_ffn_block_takes_prefill_rows_as_the_modules(make_checkpoint, rows):
 def test_kda_block_takes_prefill_chunks_as_the_module(make_checkpoint):
     """A step of prefill chunks and a decode token (5, 1 and 12 rows, contexts 3, 7 and 0) through each KDA layer's
     block and through its module: outputs, slot states and the prefix-cache checkpoints of the snapshots at the
-    chunks' ends agree bit for bit."""
+    chunks' ends agree bit for bit (the module on the native op set, whose kernels the block runs)."""
     model = native_model(make_checkpoint("kimi-linear-tiny"))
     caches = twin_caches(model, 3)
     for cache in caches:
@@ -75,7 +76,8 @@ def test_kda_block_takes_prefill_chunks_as_the_module(make_checkpoint):
 
     def chunk_batch(cache):
         handles = [SeqHandle(s, torch.arange(c + n)) for s, c, n in zip(slots, contexts, lengths)]
-        return StepBatch(positions, starts, contexts, cache, handles, kda_snapshots=[[(5, 0)], [], [(12, 2)]])
+        return StepBatch(positions, starts, contexts, cache, handles, kda_snapshots=[[(5, 0)], [], [(12, 2)]],
+                         ops=get_ops("native"))
 
     g = torch.Generator().manual_seed(3)
     kda = [l for l in model.layers if isinstance(l.self_attn, KimiDeltaAttention)]
@@ -214,31 +216,35 @@ def test_blocks_step_aside_where_they_do_not_apply(make_checkpoint, monkeypatch)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_kda_gate_beta_matches_its_reference(lower_bound):
+def test_kda_gate_beta_native_matches_its_torch_twin(lower_bound):
     g = torch.Generator().manual_seed(3)
     T, H, K = 5, 3, 16
     u = (torch.randn(T, H * K, generator=g) * 8).to(torch.bfloat16)  # some u + dt_bias above softplus' 20
     b = torch.randn(T, 4 * H, generator=g).to(torch.bfloat16)[:, :H]  # a column slice, as the layer's b is
     dt_bias, a_log = torch.randn(H * K, generator=g) * 10, torch.randn(H, generator=g)
-    got, want = (f(u, b, dt_bias, a_log, lower_bound) for f in (kda_gate_beta, kda_gate_beta_ref))
+    got, want = (f(u, b, dt_bias, a_log, lower_bound) for f in (kda_gate_beta_native, kda_gate_beta))
     torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
     torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_kda_gate_beta_matches_its_reference_over_the_whole_range(lower_bound):
+def test_kda_gate_beta_native_matches_its_torch_twin_over_the_whole_range(lower_bound):
     """The vectorised exp and log1p over full rows of 128 channels: u + dt_bias from -52 to 54 (softplus near 0,
-    near the identity, past its cut at 20), every value to fp32 rounding (a few ulp)."""
+    near the identity, past its cut at 20), every value to fp32 rounding (a few ulp). The torch twin runs the
+    reference's fp32 operations in the reference's order: equal to it bit for bit."""
     g = torch.Generator().manual_seed(4)
     T, H, K = 40, 4, 128
     u = torch.linspace(-40, 40, T * H * K)[torch.randperm(T * H * K, generator=g)].view(T, H * K).to(torch.bfloat16)
     u[3, 5] = u[7, 200] = float("nan")  # a NaN stays NaN, as in torch
     b = (torch.randn(T, H, generator=g) * 6).to(torch.bfloat16)
     dt_bias, a_log = torch.randn(H * K, generator=g) * 5, torch.randn(H, generator=g)
-    got, want = (f(u, b, dt_bias, a_log, lower_bound) for f in (kda_gate_beta, kda_gate_beta_ref))
+    got, want, ref = (f(u, b, dt_bias, a_log, lower_bound)
+                      for f in (kda_gate_beta_native, kda_gate_beta, kda_gate_beta_ref))
     assert want[0].isnan().sum() == 2
     torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7, equal_nan=True)
     torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(want[0], ref[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(want[1], ref[1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "deepseek-v32-tiny", "k31-tiny"])

@@ -23,6 +23,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import StepBatch
 from deltaserve.ops.activation import silu_glu, situ_glu
 from deltaserve.ops.attn_res import attn_res_mix as ds_mix
+from deltaserve.ops.attn_res import attn_res_mix_native as ds_mix_native
 from deltaserve.ops.attn_res import attn_res_mix_ref as ds_mix_ref
 from deltaserve.ops.indexer import indexer_scores_ref, select_topk
 from deltaserve.ops.kda import kda_gate
@@ -66,7 +67,7 @@ def test_attn_res_mix_matches_hand_formula(n):
     V = _sources(n, 5, seed=n)
     q, g = _randn(D, seed=100 + n), 1 + 0.1 * _randn(D, seed=200 + n)
     ref = attn_res_mix(V, q, g, 1e-5)
-    for fn in (ds_mix, ds_mix_ref):
+    for fn in (ds_mix, ds_mix_native, ds_mix_ref):
         out = fn(V, q, g, 1e-5)
         assert out.shape == (5, D) and out.dtype == torch.float32
         assert _maxerr(out, ref) <= 1e-5
@@ -75,21 +76,25 @@ def test_attn_res_mix_matches_hand_formula(n):
 
 
 @pytest.mark.parametrize("n", [2, 5])
-def test_attn_res_mix_bf16_matches_its_reference(n):
-    """bf16 sources (the native kernel where it builds): the fp32 mixture rounded once, as the reference's."""
+@pytest.mark.parametrize("form", ["fast", "native"])
+def test_attn_res_mix_bf16_matches_its_reference(n, form):
+    """bf16 sources, the torch form and the native form (its kernel where it builds): the fp32 mixture rounded once,
+    as the reference's; the native form within the same bound of its torch twin."""
     V = [v.to(torch.bfloat16) for v in _sources(n, 6, seed=n)]
     q, g = _randn(D, seed=7).to(torch.bfloat16), (1 + 0.1 * _randn(D, seed=8)).to(torch.bfloat16)
-    out, ref = ds_mix(V, q, g, 1e-5), ds_mix_ref(V, q, g, 1e-5)
+    out, ref = {"fast": ds_mix, "native": ds_mix_native}[form](V, q, g, 1e-5), ds_mix_ref(V, q, g, 1e-5)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     exact = attn_res_mix([v.float() for v in V], q.float(), g.float(), 1e-5)
     assert ((out.float() - exact).abs() <= exact.abs() * 2.0 ** -8 * 1.01 + 1e-5).all()
     assert (out.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2.0 ** -7
+    twin = ds_mix(V, q, g, 1e-5).float()
+    assert (out.float() - twin).abs().max() <= twin.abs().max() * 2.0 ** -7
 
 
 def test_attn_res_one_source_is_identity():
     V = _sources(1, 7, seed=1)
     q, g = _randn(D, seed=2, scale=10.0), _randn(D, seed=3)
-    for fn in (ds_mix, ds_mix_ref):
+    for fn in (ds_mix, ds_mix_native, ds_mix_ref):
         assert torch.equal(fn(V, q, g, 1e-5), V[0])
 
 
@@ -97,7 +102,7 @@ def test_attn_res_zero_query_gives_mean():
     V = _sources(4, 6, seed=4)
     g = 1 + 0.1 * _randn(D, seed=5)
     mean = torch.stack(V).mean(0)
-    for fn in (ds_mix, ds_mix_ref):
+    for fn in (ds_mix, ds_mix_native, ds_mix_ref):
         assert _maxerr(fn(V, torch.zeros(D), g, 1e-5), mean) <= 1e-6
         assert _maxerr(fn(V, _randn(D, seed=6), torch.zeros(D), 1e-5), mean) <= 1e-6  # zero norm weight: c = 0
 
@@ -112,7 +117,7 @@ def test_attn_res_logits_invariant_to_source_scale():
     """Scaling one source by c > 0 leaves its logit (RMS-normalised key) unchanged but scales its contribution."""
     V = [v[0] for v in _sources(3, 1, seed=7)]
     q, g = _randn(D, seed=8, scale=0.3), 1 + 0.1 * _randn(D, seed=9)
-    for fn in (ds_mix, ds_mix_ref):
+    for fn in (ds_mix, ds_mix_native, ds_mix_ref):
         out = fn([v[None] for v in V], q, g, 1e-5)[0]
         alpha = _alphas(out, V)
         assert abs(alpha.sum().item() - 1) <= 1e-5 and (alpha > 0).all()
@@ -133,7 +138,7 @@ def test_attn_res_large_query_selects_source():
     for j in range(5):
         vj = V[j][0]
         q = 3.0 * vj * torch.rsqrt(vj.pow(2).mean() + 1e-5)  # c = M · RMSNorm(V_j) with norm weight 1
-        for fn in (ds_mix, ds_mix_ref):
+        for fn in (ds_mix, ds_mix_native, ds_mix_ref):
             out = fn(V, q, torch.ones(D), 1e-5)
             assert _maxerr(out, V[j]) <= 1e-5 * V[j].abs().max().item()
 

@@ -412,68 +412,81 @@ def _kda_inputs(N: int, H: int, K: int, W: int, dtype: torch.dtype, seed: int):
     return x, weight, conv, rec, gate, beta
 
 
+# The KDA step ops in three forms: the native kernel against its torch twin (the fast form), and the torch twin
+# against the reference, each pair within the same bound.
+KDA_STEP_PAIRS = [("native", "fast"), ("fast", "ref")]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("slots", [[3], [0, 5, -1, 2]])
-def test_kda_decode_step_matches_its_reference_over_several_steps(dtype, slots):
-    from deltaserve.ops.kda_native import kda_decode_step, kda_decode_step_ref
+@pytest.mark.parametrize("pair", KDA_STEP_PAIRS)
+def test_kda_decode_step_forms_agree_over_several_steps(dtype, slots, pair):
+    from deltaserve.ops.kda_native import kda_decode_step, kda_decode_step_native, kda_decode_step_ref
+    forms = {"native": kda_decode_step_native, "fast": kda_decode_step, "ref": kda_decode_step_ref}
+    got, want = pair
     H, K, W = 2, 32, 4
     N = len(slots)
     x, weight, conv, rec, gate, beta = _kda_inputs(N, H, K, W, dtype, len(slots))
-    pools = {name: (conv.clone(), rec.clone()) for name in ("fast", "ref")}
+    pools = {name: (conv.clone(), rec.clone()) for name in pair}
     slot_t = torch.tensor(slots)
     for step in range(3):
         outs = {}
-        for name, op in (("fast", kda_decode_step), ("ref", kda_decode_step_ref)):
+        for name in pair:
             c, r = pools[name]
             window = c[:, 1].view(c.shape[0], 3 * H * K, W - 1)
-            outs[name] = op(x + step, weight, window, gate, beta, K ** -0.5, r[:, 1], slot_t)
-        torch.testing.assert_close(outs["fast"], outs["ref"], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(pools["fast"][0], pools["ref"][0], atol=0, rtol=0)  # windows: exact shifts
-        torch.testing.assert_close(pools["fast"][1], pools["ref"][1], atol=2e-5, rtol=1e-4)
+            outs[name] = forms[name](x + step, weight, window, gate, beta, K ** -0.5, r[:, 1], slot_t)
+        torch.testing.assert_close(outs[got], outs[want], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(pools[got][0], pools[want][0], atol=0, rtol=0)  # windows: exact shifts
+        torch.testing.assert_close(pools[got][1], pools[want][1], atol=2e-5, rtol=1e-4)
     pad = [i for i, s in enumerate(slots) if s < 0]
-    assert all(not outs["fast"][i].any() for i in pad)
+    assert all(not outs[got][i].any() for i in pad)
     untouched = [s for s in range(6) if s not in slots]
-    assert torch.equal(pools["fast"][1][untouched], rec[untouched])
-    assert torch.equal(pools["fast"][1][:, [0, 2]], rec[:, [0, 2]])  # other layers' states untouched
+    assert torch.equal(pools[got][1][untouched], rec[untouched])
+    assert torch.equal(pools[got][1][:, [0, 2]], rec[:, [0, 2]])  # other layers' states untouched
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lengths,slots", [([5], [2]), ([1, 0, 70, 3], [4, 1, 0, 5]), ([6, 9], [-1, 3])])
-def test_kda_step_varlen_matches_its_reference(dtype, lengths, slots):
-    from deltaserve.ops.kda_native import kda_step_varlen, kda_step_varlen_ref
+@pytest.mark.parametrize("pair", KDA_STEP_PAIRS)
+def test_kda_step_varlen_forms_agree(dtype, lengths, slots, pair):
+    from deltaserve.ops.kda_native import kda_step_varlen, kda_step_varlen_native, kda_step_varlen_ref
+    forms = {"native": kda_step_varlen_native, "fast": kda_step_varlen, "ref": kda_step_varlen_ref}
+    got, want = pair
     H, K, W = 2, 32, 4
     cu = torch.tensor([0] + lengths).cumsum(0)
     x, weight, conv, rec, gate, beta = _kda_inputs(int(cu[-1]), H, K, W, dtype, sum(lengths))
     outs, pools = {}, {}
-    for name, op in (("fast", kda_step_varlen), ("ref", kda_step_varlen_ref)):
+    for name in pair:
         c, r = conv.clone(), rec.clone()
-        outs[name] = op(x, weight, c[:, 2].view(6, 3 * H * K, W - 1), gate, beta, None, cu, r[:, 2],
-                        torch.tensor(slots))
+        outs[name] = forms[name](x, weight, c[:, 2].view(6, 3 * H * K, W - 1), gate, beta, None, cu, r[:, 2],
+                                 torch.tensor(slots))
         pools[name] = (c, r)
-    torch.testing.assert_close(outs["fast"], outs["ref"], atol=5e-5, rtol=1e-4)
-    torch.testing.assert_close(pools["fast"][0], pools["ref"][0], atol=0, rtol=0)
-    torch.testing.assert_close(pools["fast"][1], pools["ref"][1], atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(outs[got], outs[want], atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(pools[got][0], pools[want][0], atol=0, rtol=0)
+    torch.testing.assert_close(pools[got][1], pools[want][1], atol=5e-5, rtol=1e-4)
     for b, s in enumerate(slots):
         if s < 0:
-            assert not outs["fast"][cu[b]:cu[b + 1]].any()
+            assert not outs[got][cu[b]:cu[b + 1]].any()
     used = {s for s, n in zip(slots, lengths) if s >= 0 and n}
-    assert all(torch.equal(pools["fast"][1][s], rec[s]) for s in range(6) if s not in used)
+    assert all(torch.equal(pools[got][1][s], rec[s]) for s in range(6) if s not in used)
 
 
 def test_kda_step_varlen_equals_token_by_token_decode():
-    """A prefill round of n tokens leaves the same state and outputs as n decode steps."""
-    from deltaserve.ops.kda_native import kda_decode_step, kda_step_varlen
+    """On the native kernel, a prefill round of n tokens leaves the same state and outputs as n decode steps, bit for
+    bit (both run the same token-by-token recurrence)."""
+    from deltaserve.ops.kda_native import kda_decode_step_native, kda_step_varlen_native
     H, K, W = 2, 32, 4
     x, weight, conv, rec, gate, beta = _kda_inputs(7, H, K, W, torch.bfloat16, 3)
     c1, r1, c2, r2 = conv.clone(), rec.clone(), conv.clone(), rec.clone()
     view = (lambda c: c[:, 0].view(6, 3 * H * K, W - 1))
-    o1 = kda_step_varlen(x, weight, view(c1), gate, beta, None, torch.tensor([0, 7]), r1[:, 0], torch.tensor([4]))
-    o2 = torch.cat([kda_decode_step(x[t:t + 1], weight, view(c2), gate[t:t + 1], beta[t:t + 1], None, r2[:, 0],
-                                    torch.tensor([4])) for t in range(7)])
+    o1 = kda_step_varlen_native(x, weight, view(c1), gate, beta, None, torch.tensor([0, 7]), r1[:, 0],
+                                torch.tensor([4]))
+    o2 = torch.cat([kda_decode_step_native(x[t:t + 1], weight, view(c2), gate[t:t + 1], beta[t:t + 1], None,
+                                           r2[:, 0], torch.tensor([4])) for t in range(7)])
     assert torch.equal(o1, o2) and torch.equal(c1, c2) and torch.equal(r1, r2)
 
 
-def test_kda_ops_without_the_library_run_the_torch_ops(monkeypatch):
+def test_kda_native_ops_without_the_library_run_the_torch_ops(monkeypatch):
     from deltaserve.ops import kda_native
     H, K, W = 2, 16, 4
     x, weight, conv, rec, gate, beta = _kda_inputs(5, H, K, W, torch.float32, 9)
@@ -482,9 +495,10 @@ def test_kda_ops_without_the_library_run_the_torch_ops(monkeypatch):
         monkeypatch.setattr(native, "native_library", lib)
         c, r = conv.clone(), rec.clone()
         view = c[:, 0].view(6, 3 * H * K, W - 1)
-        o = kda_native.kda_decode_step(x[:2], weight, view, gate[:2], beta[:2], None, r[:, 0], torch.tensor([1, 4]))
-        o2 = kda_native.kda_step_varlen(x[2:], weight, view, gate[2:], beta[2:], None, torch.tensor([0, 1, 3]),
-                                        r[:, 0], torch.tensor([2, 1]))
+        o = kda_native.kda_decode_step_native(x[:2], weight, view, gate[:2], beta[:2], None, r[:, 0],
+                                              torch.tensor([1, 4]))
+        o2 = kda_native.kda_step_varlen_native(x[2:], weight, view, gate[2:], beta[2:], None,
+                                               torch.tensor([0, 1, 3]), r[:, 0], torch.tensor([2, 1]))
         runs.append((o, o2, c, r))
     for fast, fallback in zip(*runs):
         torch.testing.assert_close(fast, fallback, atol=5e-5, rtol=1e-4)
@@ -503,14 +517,16 @@ def test_qsfa_kernel_matches_the_torch_form(monkeypatch, dtype, T, H, r, rho):
     selected[0, 17:] = -1  # a short row (more than one block of 16 rows, then padding)
     if T > 1:
         selected[1] = -1   # no row at all: zeros and lse -inf
-    fast = qsfa_mod.qsfa(q_lat, q_pe, latent, selected, 0.3)
-    monkeypatch.setattr(native, "native_library", lambda: None)
+    on_kernel = qsfa_mod.qsfa_native(q_lat, q_pe, latent, selected, 0.3)
     torch_form = qsfa_mod.qsfa(q_lat, q_pe, latent, selected, 0.3)
-    for a, b in zip(fast, torch_form):
+    for a, b in zip(on_kernel, torch_form):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(native, "native_library", lambda: None)  # no library: exactly the torch form
+    for a, b in zip(qsfa_mod.qsfa_native(q_lat, q_pe, latent, selected, 0.3), torch_form):
+        assert torch.equal(a, b)
     monkeypatch.undo()
     with pytest.raises(IndexError):
-        qsfa_mod.qsfa(q_lat, q_pe, latent, torch.full((T, 2), rows), 0.3)
+        qsfa_mod.qsfa_native(q_lat, q_pe, latent, torch.full((T, 2), rows), 0.3)
 
 
 @pytest.mark.parametrize("M", [1, 3, 40])

@@ -23,7 +23,7 @@ from deltaserve.ops.kda_batched import (
 )
 from deltaserve.ops import native
 from deltaserve.ops.mla import mla_attention_ref
-from deltaserve.ops.mlapo import MLAWeights, mla_preprocess, mla_preprocess_ref
+from deltaserve.ops.mlapo import MLAWeights, mla_preprocess, mla_preprocess_native, mla_preprocess_ref
 from deltaserve.ops.opset import get_ops
 from deltaserve.tools.presets import get_preset
 
@@ -231,7 +231,9 @@ def _compare(a, b):
 
 @pytest.mark.parametrize("q_lora,indexer,gate", [(True, True, True), (True, False, False), (False, False, True),
                                                  (True, True, False)])
-def test_mlapo_fast_vs_ref_and_page_write(q_lora, indexer, gate):
+# fp32 weights take no packs: the native form runs as the torch form
+@pytest.mark.parametrize("pre", [mla_preprocess, mla_preprocess_native], ids=["fast", "native"])
+def test_mlapo_fast_vs_ref_and_page_write(q_lora, indexer, gate, pre):
     gen = torch.Generator().manual_seed(7)
     Wt = _rand_weights(gen, q_lora=q_lora, indexer=indexer, gate=gate)
     N, nblk, bs = 7, 5, 4
@@ -242,7 +244,7 @@ def test_mlapo_fast_vs_ref_and_page_write(q_lora, indexer, gate):
     ik_r = torch.zeros(nblk, bs, 16) if indexer else None
     ik_f = torch.zeros(nblk, bs, 16) if indexer else None
     ref = mla_preprocess_ref(x, Wt, None, None, 1e-6, 1e-6, 1e-5, rows, lat_r, ik_r)
-    fast = mla_preprocess(x, Wt.fuse(), None, None, 1e-6, 1e-6, 1e-5, rows, lat_f, ik_f)
+    fast = pre(x, Wt.fuse(), None, None, 1e-6, 1e-6, 1e-5, rows, lat_f, ik_f)
     _compare(ref, fast)
     assert fast.q_lat.shape == (N, 4, 32) and fast.latent.shape == (N, 40)
     assert _maxdiff(lat_r, lat_f) <= TOL
@@ -256,17 +258,18 @@ def test_mlapo_fast_vs_ref_and_page_write(q_lora, indexer, gate):
     others = [r for r in range(nblk * bs) if r not in written]
     assert torch.all(flat[others] == 0)
     # without caches: no write, same outputs
-    _compare(ref, mla_preprocess(x, Wt, None, None, 1e-6, 1e-6, 1e-5))
+    _compare(ref, pre(x, Wt, None, None, 1e-6, 1e-6, 1e-5))
     # a single token, and an empty batch
-    _compare(mla_preprocess_ref(x[:1], Wt), mla_preprocess(x[:1], Wt))
-    empty = mla_preprocess(x[:0], Wt, out_rows=rows[:0], latent_cache=lat_f)
+    _compare(mla_preprocess_ref(x[:1], Wt), pre(x[:1], Wt))
+    empty = pre(x[:0], Wt, out_rows=rows[:0], latent_cache=lat_f)
     assert empty.q_lat.shape == (0, 4, 32)
 
 
 @pytest.mark.parametrize("N", [1, 3, 6])
 def test_mlapo_bf16_few_rows_native_vs_ref(N):
-    """bf16 weights: up to 4 rows the products run the native kernels on MLAWeights.packed (above, oneDNN); both
-    agree with the reference chain to bf16 rounding."""
+    """bf16 weights: up to 4 rows the native form runs the products on the native kernels over MLAWeights.packed
+    (built on its first call: `fuse` builds no packs; above 4 rows, oneDNN as the torch form). The native form, its
+    torch twin and the reference chain agree to bf16 rounding."""
     gen = torch.Generator().manual_seed(9)
     Wt = _rand_weights(gen, q_lora=True, indexer=True, gate=True)
     for name in [f.name for f in dataclasses.fields(Wt)]:
@@ -275,10 +278,15 @@ def test_mlapo_bf16_few_rows_native_vs_ref(N):
             setattr(Wt, name, value.to(torch.bfloat16))
     x = torch.randn(N, 48, generator=gen).to(torch.bfloat16)
     ref, fast = mla_preprocess_ref(x, Wt), mla_preprocess(x, Wt.fuse())
+    assert Wt.packed == {}
+    on_native = mla_preprocess_native(x, Wt)
     assert set(Wt.packed) == ({"w_a", "q_b_proj", "index_wq_b", "w_uk_t"} if native.native_library() else set())
-    for name, a, b in zip(ref._fields, ref, fast):
+    for name, a, b, c in zip(ref._fields, ref, fast, on_native):
         if a is not None:
             torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2, msg=name)
+            torch.testing.assert_close(c.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
+    Wt.fuse()  # fusing anew drops the packs (copies of the previous fused weights)
+    assert Wt.packed == {}
 
 
 def test_mlapo_rope_fast_vs_ref():

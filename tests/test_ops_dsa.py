@@ -11,8 +11,9 @@ Tolerances
   ReLU is 1-Lipschitz, so |I − Ĩ| ≤ Σ_h |w_h| D^-1/2 · that bound (computed per row and key below, in fp64). We
   assert the measured error stays under this bound, and require equal top-k sets only on rows whose full-precision
   gap between the k-th and (k+1)-th score exceeds twice the row's bound (anything closer is a near-tie).
-* QSFA fp32: 1e-5 absolute on unit-scale data; C8 (int8 per-128/per-row tiles) vs fp32 cache: the latent error
-  per element is ≤ amax/254, giving ≲ 1e-2 on the outputs of these unit-scale inputs (asserted at 3e-2).
+* QSFA fp32: 1e-5 absolute on unit-scale data, for the torch form and the native form (its kernel where the library
+  builds) alike; C8 (int8 per-128/per-row tiles) vs fp32 cache: the latent error per element is ≤ amax/254, giving
+  ≲ 1e-2 on the outputs of these unit-scale inputs (asserted at 3e-2).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from deltaserve.ops.qli import (
     quantize_index_queries,
     write_index_keys,
 )
-from deltaserve.ops.qsfa import C8Latent, dequantize_latent, qsfa, qsfa_ref, quantize_latent, write_latent
+from deltaserve.ops.qsfa import (C8Latent, dequantize_latent, qsfa, qsfa_native, qsfa_ref, quantize_latent,
+                                 write_latent)
 
 B = 4          # block size (small so that many queries sit on page boundaries)
 NUM_BLOCKS = 96
@@ -426,9 +428,13 @@ def make_qsfa_inputs(seed=0, n_rows=NUM_BLOCKS * B, T=12, k=TOPK * 2):
     return q_lat, q_pe, latent, sel, counts
 
 
-def test_qsfa_fast_matches_dense_ref_fp32():
+QSFA_FORMS = [qsfa, qsfa_native]
+
+
+@pytest.mark.parametrize("form", QSFA_FORMS)
+def test_qsfa_fast_matches_dense_ref_fp32(form):
     q_lat, q_pe, latent, sel, counts = make_qsfa_inputs()
-    out, lse = qsfa(q_lat, q_pe, latent, sel, SCALE, query_block=5)
+    out, lse = form(q_lat, q_pe, latent, sel, SCALE, query_block=5)
     out_r, lse_r = qsfa_ref(q_lat, q_pe, latent, sel, SCALE)
     assert out.shape == (12, H, R) and lse.shape == (12, H) and not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out, out_r, rtol=0, atol=1e-5)
@@ -450,20 +456,21 @@ def test_qsfa_fast_matches_dense_ref_fp32():
     for t, n in enumerate(counts):
         if n <= sel.shape[1] - 2:
             perm[t, -1] = 0                                    # junk after the first -1
-    out_p, lse_p = qsfa(q_lat, q_pe, latent, perm, SCALE)
+    out_p, lse_p = form(q_lat, q_pe, latent, perm, SCALE)
     torch.testing.assert_close(out_p, out, rtol=0, atol=1e-5)
     torch.testing.assert_close(lse_p, lse, rtol=0, atol=1e-5)
     torch.testing.assert_close(qsfa_ref(q_lat, q_pe, latent, perm, SCALE)[0], out_r, rtol=0, atol=1e-5)
 
 
-def test_qsfa_all_rows_empty_and_bf16_cache():
+@pytest.mark.parametrize("form", QSFA_FORMS)
+def test_qsfa_all_rows_empty_and_bf16_cache(form):
     q_lat, q_pe, latent, sel, _ = make_qsfa_inputs(1)
     empty = torch.full_like(sel, -1)
-    for fn in (qsfa, qsfa_ref):
+    for fn in (form, qsfa_ref):
         o, l = fn(q_lat, q_pe, latent, empty, SCALE)
         assert (o == 0).all() and (l == float("-inf")).all()
     lb = latent.to(torch.bfloat16)
-    out, lse = qsfa(q_lat.bfloat16(), q_pe.bfloat16(), lb, sel.int(), SCALE)
+    out, lse = form(q_lat.bfloat16(), q_pe.bfloat16(), lb, sel.int(), SCALE)
     out_r, lse_r = qsfa_ref(q_lat.bfloat16(), q_pe.bfloat16(), lb, sel.int(), SCALE)
     torch.testing.assert_close(out, out_r, rtol=0, atol=1e-4)
     torch.testing.assert_close(lse, lse_r, rtol=0, atol=1e-4)

@@ -1,5 +1,7 @@
 """`--ops reference` swaps every op for its readable twin; the engine's greedy output is the same either way."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,9 +15,10 @@ from engine_utils import assert_pools_free, assert_same_greedy, make_llm, new_st
 
 def test_reference_set_is_made_of_twins():
     fast, ref = get_ops("fast"), get_ops("reference")
-    for name in ("kda_chunk", "kda_recurrent", "short_conv", "attn_res_mix", "kda_decode_step", "kda_step_varlen"):
+    for name in ("kda_chunk", "kda_recurrent", "short_conv", "attn_res_mix", "kda_decode_step", "kda_step_varlen",
+                 "kda_gate_beta", "qsfa", "mla_preprocess"):
         assert getattr(ref, name).__name__ == getattr(fast, name).__name__ + "_ref", name
-    assert set(OP_SETS) == {"fast", "reference"}
+    assert set(OP_SETS) == {"fast", "reference", "native"}
     with pytest.raises(ValueError, match="unknown op set"):
         get_ops("turbo")
 
@@ -145,7 +148,7 @@ def test_engine_runs_mlapo_with_weights_fused_once(make_checkpoint, monkeypatch)
         fuses.append(self)
         return original_fuse(self)
 
-    monkeypatch.setattr("deltaserve.layers.mla.mla_preprocess", pre_spy)
+    monkeypatch.setitem(OP_SETS, "fast", dataclasses.replace(OP_SETS["fast"], mla_preprocess=pre_spy))
     monkeypatch.setattr(mlapo.MLAWeights, "fuse", fuse_spy)
     prompts = [torch.randint(5, 700, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 7, 44)]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

@@ -9,9 +9,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.indexer import indexer_scores_ref, select_topk, selection_mask
-from ..ops.mlapo import MLAWeights, mla_preprocess
+from ..ops.mlapo import MLAWeights
 from ..ops.qli import qli_topk
-from ..ops.qsfa import qsfa
 from ..ops.rope import rotate_half_split, rotate_interleaved
 from .batch import StepBatch
 from .derived import Derived
@@ -159,9 +158,9 @@ class MLAttention(nn.Module):
         """One MLAPO call (projections, norms, absorption, indexer q/k/w, page writes at the step's rows), then
         QLI top-k and QSFA over only the selected rows."""
         latent_pages, key_pages, key_scales = pages
-        pre = mla_preprocess(x, self._fused_weights(), batch.positions, self.rotary, self.config.mla_norm_eps,
-                             self.config.mla_norm_eps, self.config.index_norm_eps, batch.write_rows,
-                             latent_pages, key_pages, key_scales)
+        pre = batch.ops.mla_preprocess(x, self._fused_weights(), batch.positions, self.rotary,
+                                       self.config.mla_norm_eps, self.config.mla_norm_eps, self.config.index_norm_eps,
+                                       batch.write_rows, latent_pages, key_pages, key_scales)
         out = self._sparse_paged(pre.q_lat, pre.q_pe, pre.index_q, pre.index_w, pages, batch)
         return self._output(out, pre.gate)
 
@@ -216,7 +215,7 @@ class MLAttention(nn.Module):
         selected = torch.full((len(seqs), max(lengths)), -1, dtype=torch.long, device=q_lat.device)
         for j, (i, n) in enumerate(zip(seqs, lengths)):
             selected[j, :n] = batch.handle(i).rows[:n]
-        out_lat, _ = qsfa(q_lat, q_pe, latent_pages, selected, self.scale)
+        out_lat, _ = batch.ops.qsfa(q_lat, q_pe, latent_pages, selected, self.scale)
         return self._unabsorb(out_lat.to(q_pe.dtype))
 
     def _sparse_paged(self, q_lat, q_pe, iq, iw, pages, batch: StepBatch) -> torch.Tensor:
@@ -226,6 +225,6 @@ class MLAttention(nn.Module):
         latent_pages, key_pages, key_scales = pages
         eight = key_scales is not None  # 8-bit keys were rotated and quantised when written; queries follow suit
         selected = qli_topk(iq, iw, key_pages, key_scales, batch.index_meta, quantized=eight, rotate=eight)
-        out_lat, _ = qsfa(q_lat, q_pe, latent_pages, selected, self.scale)
+        out_lat, _ = batch.ops.qsfa(q_lat, q_pe, latent_pages, selected, self.scale)
         return self._unabsorb(out_lat.to(q_pe.dtype))
 

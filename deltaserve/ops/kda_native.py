@@ -1,4 +1,5 @@
-"""KDA from the projections to the core output over state slots, with a native CPU kernel (`native_src/attention.c`).
+"""KDA from the projections to the core output over state slots, in torch and on a native CPU kernel
+(`native_src/attention.c`).
 
 Both ops run, per token, the short convs of q̂ | k̂ | v̂ over the slot's window (SiLU), L2-normalised q and k and
 the gated delta rule on the slot's state, everything in place in the state pools (docs/model.md §8.2, §8.5):
@@ -6,11 +7,12 @@ the gated delta rule on the slot's state, everything in place in the state pools
 * `kda_decode_step`: one token for each of N sequences (the layers' decode step);
 * `kda_step_varlen`: several tokens for each of several sequences (a round of the layers' varlen prefill).
 
-On the CPU the native kernel runs a work item per (sequence, head), token by token, each head's state staying
-in cache; for prefill this replaced the chunked torch form, which spends its time in [C, C, K] decay temporaries
-on the CPU. Without the kernels, or off the CPU, the torch ops
-run (batched decode ops; per-sequence convs + the chunked varlen form). The references compose the ops' `_ref`
-twins.
+Each op comes in three forms with one contract: `_ref` composes the ops' `_ref` twins; the plain name is the fast
+torch form (batched decode ops; per-sequence convs + the chunked varlen form) and never calls the native library;
+`_native` runs the native kernel where the library built and the tensors are CPU tensors in the layout it reads (a
+work item per (sequence, head), token by token, each head's state staying in cache; for prefill this replaced the
+chunked torch form, which spends its time in [C, C, K] decay temporaries on the CPU), the fast torch form otherwise.
+`kda_gate_beta` (the layer's forget gate and beta) has the same three forms.
 
 Arguments: ``x [T, 3P]`` the q̂ | k̂ | v̂ rows before the conv (P = H K), ``conv_weight [3P, W]`` fp32 (the three
 conv weights stacked the same way), ``conv_states [num_slots, 3P, W-1]`` and ``recurrent_states [num_slots, H, K,
@@ -21,6 +23,7 @@ K]`` the layer's pool views, ``g [T, H, K]``, ``beta [T, H]``; ``cu_seqlens`` th
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import native
@@ -64,10 +67,17 @@ def kda_decode_step_ref(x: Tensor, conv_weight: Tensor, conv_states: Tensor, g: 
 
 def kda_decode_step(x: Tensor, conv_weight: Tensor, conv_states: Tensor, g: Tensor, beta: Tensor,
                     scale: float | None, recurrent_states: Tensor, slots: Tensor) -> Tensor:
-    """Fast twin of `kda_decode_step_ref`: the native kernel with one token per sequence, else batched ops."""
+    """Fast twin of `kda_decode_step_ref` in torch: the batched conv and delta-rule decode ops."""
+    return _decode_composed(short_conv_decode_batched, kda_decode_batched, x, conv_weight, conv_states, g, beta, scale,
+                            recurrent_states, slots)
+
+
+def kda_decode_step_native(x: Tensor, conv_weight: Tensor, conv_states: Tensor, g: Tensor, beta: Tensor,
+                           scale: float | None, recurrent_states: Tensor, slots: Tensor) -> Tensor:
+    """`kda_decode_step` on the native kernel (one token per sequence) where `_native_layout` holds, else the
+    torch form."""
     if not _native_layout(x, conv_weight, conv_states, recurrent_states):
-        return _decode_composed(short_conv_decode_batched, kda_decode_batched, x, conv_weight, conv_states, g,
-                                beta, scale, recurrent_states, slots)
+        return kda_decode_step(x, conv_weight, conv_states, g, beta, scale, recurrent_states, slots)
     return _native(x, conv_weight, conv_states, g, beta, scale, list(range(x.shape[0] + 1)), recurrent_states, slots)
 
 
@@ -80,15 +90,28 @@ def kda_step_varlen_ref(x: Tensor, conv_weight: Tensor, conv_states: Tensor, g: 
 
 def kda_step_varlen(x: Tensor, conv_weight: Tensor, conv_states: Tensor, g: Tensor, beta: Tensor,
                     scale: float | None, cu_seqlens: Tensor, recurrent_states: Tensor, slots: Tensor) -> Tensor:
-    """Fast twin of `kda_step_varlen_ref`: the native kernel, else per-sequence convs + the chunked varlen form."""
+    """Fast twin of `kda_step_varlen_ref` in torch: per-sequence convs + the chunked varlen form."""
+    _check_varlen(x, cu_seqlens, slots)
+    return _varlen_composed(short_conv, kda_prefill_varlen, x, conv_weight, conv_states, g, beta, scale, cu_seqlens,
+                            recurrent_states, slots)
+
+
+def kda_step_varlen_native(x: Tensor, conv_weight: Tensor, conv_states: Tensor, g: Tensor, beta: Tensor,
+                           scale: float | None, cu_seqlens: Tensor, recurrent_states: Tensor, slots: Tensor) -> Tensor:
+    """`kda_step_varlen` on the native kernel where `_native_layout` holds, else the torch form."""
+    if not _native_layout(x, conv_weight, conv_states, recurrent_states):
+        return kda_step_varlen(x, conv_weight, conv_states, g, beta, scale, cu_seqlens, recurrent_states, slots)
+    cu, sl = _check_varlen(x, cu_seqlens, slots)
+    return _native(x, conv_weight, conv_states, g, beta, scale, cu, recurrent_states, sl)
+
+
+def _check_varlen(x: Tensor, cu_seqlens: Tensor, slots: Tensor) -> tuple[list[int], list[int]]:
+    """The bounds and slots as lists, after checking they describe x's tokens with distinct slots."""
     cu, sl = _bounds(cu_seqlens), _slot_list(slots)
     if len(sl) != len(cu) - 1 or cu[-1] != x.shape[0]:
         raise ValueError(f"{len(sl)} slots and cu_seqlens {cu} do not describe {x.shape[0]} tokens")
     _check_distinct(sl)
-    if not _native_layout(x, conv_weight, conv_states, recurrent_states):
-        return _varlen_composed(short_conv, kda_prefill_varlen, x, conv_weight, conv_states, g, beta, scale,
-                                cu_seqlens, recurrent_states, slots)
-    return _native(x, conv_weight, conv_states, g, beta, scale, cu, recurrent_states, sl)
+    return cu, sl
 
 
 def kda_gate_beta_ref(u: Tensor, b: Tensor, dt_bias: Tensor, A_log: Tensor,
@@ -102,12 +125,27 @@ def kda_gate_beta_ref(u: Tensor, b: Tensor, dt_bias: Tensor, A_log: Tensor,
 
 def kda_gate_beta(u: Tensor, b: Tensor, dt_bias: Tensor, A_log: Tensor,
                   lower_bound: float | None) -> tuple[Tensor, Tensor]:
-    """Fast twin of `kda_gate_beta_ref` (equal to fp32 rounding): one native call for bf16 rows on the CPU."""
+    """Fast twin of `kda_gate_beta_ref` in torch: the same fp32 operations in the same order (equal bit for bit),
+    one [T, H, K] temporary fewer: the scale by exp(A_log) runs in place where autograd allows it (never on a
+    tensor a backward reads: the model trains through this form)."""
+    T, H = b.shape
+    a = A_log.float().exp().view(1, -1, 1)
+    x = torch.add(u.float(), dt_bias.float()).view(T, H, -1)  # a fresh tensor: u itself is never written
+    if lower_bound is None:
+        g = F.softplus(x, beta=1.0, threshold=20.0).mul_(-a)
+    else:
+        g = torch.sigmoid(x.mul_(a)) * lower_bound
+    return g, torch.sigmoid(b.float())
+
+
+def kda_gate_beta_native(u: Tensor, b: Tensor, dt_bias: Tensor, A_log: Tensor,
+                         lower_bound: float | None) -> tuple[Tensor, Tensor]:
+    """`kda_gate_beta` (equal to fp32 rounding) in one native call for bf16 rows on the CPU, else the torch form."""
     T, H = b.shape
     K = u.shape[1] // H
-    if not (native.native_library() is not None and u.dtype == b.dtype == torch.bfloat16 and u.device.type == "cpu"
-            and u.dim() == 2 and u.stride(1) == 1 and b.stride(1) == 1 and u.shape == (T, H * K)):
-        return kda_gate_beta_ref(u, b, dt_bias, A_log, lower_bound)
+    if not (u.dtype == b.dtype == torch.bfloat16 and u.device.type == "cpu" and u.dim() == 2 and u.stride(1) == 1
+            and b.stride(1) == 1 and u.shape == (T, H * K) and native.native_library() is not None):
+        return kda_gate_beta(u, b, dt_bias, A_log, lower_bound)
     dt, a = dt_bias.detach().float().contiguous(), A_log.detach().float().contiguous()
     g, beta = torch.empty(T, H, K), torch.empty(T, H)
     native.native_library().ds_kda_gate(u.data_ptr(), u.stride(0), b.data_ptr(), b.stride(0), T, H, K, dt.data_ptr(),

@@ -12,8 +12,12 @@ One call per MLA/DSA layer per step replaces the chain
 The fast path :func:`mla_preprocess` runs every projection that reads ``x`` (q_a_proj or q_proj,
 kv_a_proj_with_mqa, g_proj, indexer wk and weights_proj) as **one** GEMM on a weight concatenated once by
 :meth:`MLAWeights.fuse`, absorbs W_UK with one batched GEMM over heads and writes the cache rows directly; the
-per-head expanded keys/values (kv_b_proj on the latent) are never formed. :func:`mla_preprocess_ref` is the plain
-chain with one linear per weight, in the rounding order of :mod:`deltaserve.layers.mla` / ``layers.norm``.
+per-head expanded keys/values (kv_b_proj on the latent) are never formed; it is plain torch and never calls the
+native library. :func:`mla_preprocess_native` is the same computation with the products of a few bf16 rows on the
+native kernels, over packed copies of the fused weights (:meth:`MLAWeights.pack_native`, built on its first call), and
+the RMSNorms of bf16 rows on the native norm; any other input runs :func:`mla_preprocess`.
+:func:`mla_preprocess_ref` is the plain chain with one linear per weight, in the rounding order of
+:mod:`deltaserve.layers.mla` / ``layers.norm``.
 
 RoPE: Kimi models (K3, K3.1, Kimi-Linear) are NoPE and pass ``rotary=None``. With a ``rotary``
 (:class:`deltaserve.layers.rope.RotaryEmbedding`, DeepSeek V3/V3.2) q_pe and k_pe are rotated in the layer's
@@ -26,8 +30,8 @@ PagePool format: ``latent_cache`` is a float tensor ``[num_blocks, B, r+ρ]`` (o
 (Hadamard-rotated and quantised per token) when ``index_scales`` is given. The writers are the shared cache-format
 writers of :mod:`.qsfa` and :mod:`.qli`.
 
-The engine runs :func:`mla_preprocess` in DSA layers on the fast op set (``layers/mla.py``), with the fused weights
-built once per layer and rebuilt only when a source weight changes.
+The engine runs the op set's ``mla_preprocess`` in DSA layers (``layers/mla.py``), with the fused weights built
+once per layer and rebuilt only when a source weight changes.
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ from .qli import write_index_keys
 from .qsfa import write_latent
 from .rope import rotate_half_split, rotate_interleaved
 
-__all__ = ["MLAWeights", "MLAPreOut", "mla_preprocess_ref", "mla_preprocess"]
+__all__ = ["MLAWeights", "MLAPreOut", "mla_preprocess_ref", "mla_preprocess", "mla_preprocess_native"]
 
 
 @dataclass
 class MLAWeights:
-    """Weights of one MLA/DSA layer in checkpoint layout ([out, in]); ``fuse()`` adds the concatenated forms."""
+    """Weights of one MLA/DSA layer in checkpoint layout ([out, in]); ``fuse()`` adds the concatenated forms,
+    ``pack_native()`` the native kernels' packed copies of them."""
 
     num_heads: int
     qk_nope_head_dim: int
@@ -77,9 +82,9 @@ class MLAWeights:
     w_a: Tensor | None = field(default=None, repr=False)      # [r_q | H(n+ρ), r+ρ, (H v), (D_I), (H_I)] × d
     w_uk: Tensor | None = field(default=None, repr=False)     # [H, n, r]
     split_a: tuple[int, ...] = field(default=(), repr=False)  # output widths of w_a's blocks
-    # bf16 on the CPU: w_a, q_b_proj, index_wq_b and W_UK^T [H, r, n] packed for the native kernels, which take
-    # the products of a few rows (oneDNN re-lays an unpacked weight out on every call: most of a decode step's
-    # MLAPO time)
+    # built by pack_native(), bf16 on the CPU: w_a, q_b_proj, index_wq_b and W_UK^T [H, r, n] packed for the
+    # native kernels, which take the products of a few rows (oneDNN re-lays an unpacked weight out on every call:
+    # most of a decode step's MLAPO time)
     packed: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -92,7 +97,7 @@ class MLAWeights:
 
     def fuse(self) -> "MLAWeights":
         """Concatenate every weight that reads x into ``w_a`` and split ``W_UK`` out of ``kv_b_proj`` (once, at
-        load time). Returns self."""
+        load time), in plain torch. Drops any native packs (they were copies of the previous forms). Returns self."""
         first = self.q_a_proj if self.q_lora else self.q_proj
         if first is None:
             raise ValueError("MLAWeights needs q_a_proj (+ q_a_norm, q_b_proj) or q_proj")
@@ -106,7 +111,14 @@ class MLAWeights:
         H, n, v = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
         self.w_uk = self.kv_b_proj.detach().view(H, n + v, -1)[:, :n].contiguous()
         self.packed = {}
-        if native.native_usable(self.w_a.dtype, self.w_a.device):
+        return self
+
+    def pack_native(self) -> "MLAWeights":
+        """Build ``packed`` (fusing first if needed) when the native kernels take these weights (bf16 on the CPU,
+        library built); kept until the next ``fuse()``. Returns self."""
+        if self.w_a is None:
+            self.fuse()
+        if not self.packed and native.native_usable(self.w_a.dtype, self.w_a.device):
             named = {"w_a": self.w_a, "q_b_proj": self.q_b_proj, "index_wq_b": self.index_wq_b,
                      "w_uk_t": self.w_uk.transpose(1, 2)}
             self.packed = {name: native.pack_rows(w) for name, w in named.items() if w is not None}
@@ -155,7 +167,7 @@ def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _rms_norm_fast(x: Tensor, w: Tensor, eps: float) -> Tensor:
+def _rms_norm_native(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """`_rms_norm` through the native kernel for bf16 rows and weight (one call where the torch form is five
     ops, whose fixed cost per op outweighs the arithmetic at decode sizes), else `_rms_norm`."""
     if (x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and w.is_contiguous()
@@ -225,36 +237,58 @@ def mla_preprocess(x: Tensor, weights: MLAWeights, positions: Tensor | None = No
                    eps_q: float = 1e-6, eps_kv: float = 1e-6, eps_index: float = 1e-5,
                    out_rows: Tensor | None = None, latent_cache=None, index_cache: Tensor | None = None,
                    index_scales: Tensor | None = None) -> MLAPreOut:
-    """Fast twin of :func:`mla_preprocess_ref` (same contract): one input GEMM on ``weights.w_a`` (built by
-    :meth:`MLAWeights.fuse`, called lazily on first use), batched W_UK absorption, one vectorised scatter per
-    cache."""
-    W = weights
-    if W.w_a is None:
-        W.fuse()
+    """Fast twin of :func:`mla_preprocess_ref` (same contract), plain torch: one input GEMM on ``weights.w_a``
+    (built by :meth:`MLAWeights.fuse`, called lazily on first use), batched W_UK absorption, one vectorised scatter
+    per cache."""
+    if weights.w_a is None:
+        weights.fuse()
+    return _preprocess(x, weights, positions, rotary, eps_q, eps_kv, eps_index, out_rows, latent_cache, index_cache,
+                       index_scales, on_native=False)
+
+
+def mla_preprocess_native(x: Tensor, weights: MLAWeights, positions: Tensor | None = None, rotary=None,
+                          eps_q: float = 1e-6, eps_kv: float = 1e-6, eps_index: float = 1e-5,
+                          out_rows: Tensor | None = None, latent_cache=None, index_cache: Tensor | None = None,
+                          index_scales: Tensor | None = None) -> MLAPreOut:
+    """:func:`mla_preprocess` with the products of up to ``LINEAR_MAX_ROWS`` bf16 rows on the native kernels over
+    ``weights.packed`` (built by :meth:`MLAWeights.pack_native` on first use; above that many rows, F.linear as the
+    torch form) and the RMSNorms of bf16 rows on the native norm. Weights the kernels do not take (not bf16, not on
+    the CPU, no library) get no packs, and every product runs as in the torch form."""
+    if weights.w_a is None or not weights.packed:
+        weights.pack_native()
+    return _preprocess(x, weights, positions, rotary, eps_q, eps_kv, eps_index, out_rows, latent_cache, index_cache,
+                       index_scales, on_native=True)
+
+
+def _preprocess(x: Tensor, W: MLAWeights, positions: Tensor | None, rotary, eps_q: float, eps_kv: float,
+                eps_index: float, out_rows: Tensor | None, latent_cache, index_cache: Tensor | None,
+                index_scales: Tensor | None, on_native: bool) -> MLAPreOut:
+    """The body of both forms on fused weights; `on_native` False never touches the native library."""
+    rms_norm = _rms_norm_native if on_native else _rms_norm
     N = x.shape[0]
     H, n, rho, r = W.num_heads, W.qk_nope_head_dim, W.qk_rope_head_dim, W.kv_lora_rank
     # column blocks of the fused output are strided views; elementwise kernels on strided views run several
     # times slower on CPU than one copy of the (small) activation, so make each block contiguous
-    parts = [p.contiguous() for p in torch.split(_product(x, W, "w_a"), W.split_a, dim=-1)]
+    parts = [p.contiguous() for p in torch.split(_product(x, W, "w_a", on_native), W.split_a, dim=-1)]
     first, ckv = parts[0], parts[1]
     rest = parts[2:]
     gate = rest.pop(0) if W.g_proj is not None else None
     if W.q_lora:
-        c_q = _rms_norm_fast(first, W.q_a_norm, eps_q)
-        q = _product(c_q, W, "q_b_proj")
+        c_q = rms_norm(first, W.q_a_norm, eps_q)
+        q = _product(c_q, W, "q_b_proj", on_native)
     else:
         c_q, q = None, first
     q = q.view(N, H, n + rho)
     q_nope, q_pe = q[..., :n], q[..., n:]
-    c, k_pe = _rms_norm_fast(ckv[:, :r], W.kv_a_norm, eps_kv), ckv[:, r:]
+    c, k_pe = rms_norm(ckv[:, :r], W.kv_a_norm, eps_kv), ckv[:, r:]
     iq = ik = iw = None
     if W.has_indexer:
         k_raw, w_raw = rest
-        iq = _product(c_q, W, "index_wq_b").view(N, W.index_n_heads, W.index_head_dim)
+        iq = _product(c_q, W, "index_wq_b", on_native).view(N, W.index_n_heads, W.index_head_dim)
         ik = _layer_norm(k_raw, W.index_k_norm_weight, W.index_k_norm_bias, eps_index)
         iw = w_raw.float() * W.index_n_heads ** -0.5
     q_pe, k_pe, iq, ik = _rope(q_pe, k_pe, iq, ik, W, positions, rotary)
-    if _few_native_rows(q_nope, W, "w_uk_t"):  # per head q_nope W_UK, one native call over the heads
+    if on_native and _few_native_rows(q_nope, W, "w_uk_t"):  # per head q_nope W_UK, one native call over the heads
         q_lat = native.linear_heads(q_nope, W.packed["w_uk_t"], r)
     else:  # one batched GEMM over heads: [H, N, n] × [H, n, r] -> [H, N, r]
         q_lat = torch.bmm(q_nope.transpose(0, 1), W.w_uk).transpose(0, 1)
@@ -269,9 +303,9 @@ def _few_native_rows(x: Tensor, W: MLAWeights, name: str) -> bool:
             and x.stride(-1) == 1)
 
 
-def _product(x: Tensor, W: MLAWeights, name: str) -> Tensor:
-    """x @ W.<name>^T: the native kernel on the packed copy for a few bf16 rows, else F.linear."""
-    if _few_native_rows(x, W, name) and x.dim() == 2:
+def _product(x: Tensor, W: MLAWeights, name: str, on_native: bool) -> Tensor:
+    """x @ W.<name>^T: with `on_native`, the native kernel on the packed copy for a few bf16 rows; else F.linear."""
+    if on_native and _few_native_rows(x, W, name) and x.dim() == 2:
         return native.linear_packed(x, W.packed[name], getattr(W, name).shape[0])
     return F.linear(x, getattr(W, name))
 

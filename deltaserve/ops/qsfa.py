@@ -1,9 +1,10 @@
 """QSFA: sparse absorbed MLA attention over selected latent rows of a paged cache (docs/ops.md §4.1–4.2, docs/model.md
 §9.5).
 
-Used by the engine's fast DSA path and dense MLA decode (layers/mla.py). On the CPU, a full-precision cache goes
-through the native kernel (`native_src/attention.c`: one pass over each query's rows with a running max, no gathered
-fp32 copy); otherwise, and for C8, plain PyTorch, device-agnostic.
+Used by the engine's fast DSA path and dense MLA decode (layers/mla.py). Three forms, one contract: `qsfa_ref`
+(dense, readable), `qsfa` (plain PyTorch, device-agnostic: gathers only the selected rows) and `qsfa_native`, which
+takes a full-precision CPU cache through the native kernel (`native_src/attention.c`: one pass over each query's rows
+with a running max, no gathered fp32 copy) and runs `qsfa` for any other input (C8 caches included).
 
 Latent cache of one layer, flattened to rows (row = block_id · B + offset, as in `qli`):
   * full precision: a float tensor `[num_rows, r + rho]` (bf16/fp32) holding `[c | k_pe]`;
@@ -100,8 +101,6 @@ def qsfa(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_pages, selected_rows: t
     trimmed to its longest valid prefix."""
     T, H, r = q_lat.shape
     latent = _flat_latent(latent_pages)
-    if _native_ok(q_lat, latent):
-        return _qsfa_native(q_lat, q_pe, latent, selected_rows, scale)
     out = torch.zeros(T, H, r, dtype=torch.float32, device=q_lat.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q_lat.device)
     valid = _valid_prefix(selected_rows)
@@ -130,6 +129,16 @@ def qsfa(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_pages, selected_rows: t
         o = torch.einsum("thj,tjr->thr", p, c) / z.clamp_min(torch.finfo(torch.float32).tiny)
         out[t0:t1] = torch.where(z > 0, o, torch.zeros_like(o))
     return out, lse
+
+
+def qsfa_native(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_pages, selected_rows: torch.Tensor, scale: float,
+                query_block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qsfa` on the native kernel for a bf16/fp32 cache on the CPU (`_native_ok`; `query_block` unused there: the
+    kernel walks each query's rows itself), `qsfa` otherwise. A selected row outside the cache is an IndexError."""
+    latent = _flat_latent(latent_pages)
+    if not _native_ok(q_lat, latent):
+        return qsfa(q_lat, q_pe, latent, selected_rows, scale, query_block)
+    return _qsfa_native(q_lat, q_pe, latent, selected_rows, scale)
 
 
 def _native_ok(q_lat: torch.Tensor, latent) -> bool:
@@ -164,8 +173,8 @@ def latent_width(latent) -> int:
 
 def qsfa_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_pages, selected_rows: torch.Tensor, scale: float,
              query_block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Readable twin of `qsfa` (same signature; `query_block` ignored): dequantise the whole cache, score every row,
-    mask everything but the selected rows (up to the first -1), dense softmax / logsumexp."""
+    """Readable twin of `qsfa` and `qsfa_native` (same signature; `query_block` ignored): dequantise the whole cache,
+    score every row, mask everything but the selected rows (up to the first -1), dense softmax / logsumexp."""
     T, H, r = q_lat.shape
     latent = _flat_latent(latent_pages)
     full = dequantize_latent(latent) if isinstance(latent, C8Latent) else latent.float()

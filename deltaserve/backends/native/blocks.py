@@ -185,7 +185,7 @@ def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
 
 def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor | None:
     """The block's descriptor (`DsaBlock`); None when the MLAPO weights have no native packs."""
-    W = attn._fused_weights()
+    W = attn._fused_weights().pack_native()
     if not {"w_a", "q_b_proj", "w_uk_t", "index_wq_b"} <= set(W.packed):
         return None
     w_uv, w_o = attn.kv_b_packs(columns=False)[1], attn.o_proj.row_pack()
