@@ -19,6 +19,7 @@ from deltaserve.cache.sequence_cache import SequenceCache
 from deltaserve.cache.state_slots import StateSlots
 from deltaserve.layers.batch import StepBatch
 from deltaserve.ops import native
+from deltaserve.ops.opset import get_ops
 from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
 
 pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
@@ -102,7 +103,8 @@ def _chunk_batch(cache, snapshots, slots=(2, 0, 3), contexts=(3, 7, 0), lengths=
     handles = [SeqHandle(s, torch.arange(16 * i, 16 * i + c + n))
                for i, (s, c, n) in enumerate(zip(slots, contexts, lengths))]
     write_rows = torch.cat([h.rows[c:] for h, c in zip(handles, contexts)])
-    return StepBatch(positions, starts, list(contexts), cache, handles, kda_snapshots=snapshots, write_rows=write_rows)
+    return StepBatch(positions, starts, list(contexts), cache, handles, kda_snapshots=snapshots, ops=get_ops("native"),
+                     write_rows=write_rows)
 
 
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "k3-tiny"])
@@ -132,6 +134,19 @@ def test_chunk_program_equals_the_modules(make_checkpoint, monkeypatch, preset, 
     program = write_program(model, kind, backend.programs.plans, caches[0])
     kinds = [k for seg in program.segments for k in (seg.kinds or [seg.node.kind])]
     assert ("kda" in kinds) == kda_native and "mla" not in kinds and "attention" in kinds
+
+
+def test_step_kinds(make_checkpoint):
+    """What a step lets the blocks do: a decode step (few or many rows), a chunk step, a chunk cut by a snapshot; no
+    kind without a cache or past the blocks' rows."""
+    model, _ = native_model(make_checkpoint("kimi-linear-tiny"))
+    cache = PagedCache(PagePool(model.config, 40, 16, torch.bfloat16), StateSlots(model.config, 20))
+    assert StepKind.of(decode_batch(cache, [0, 1], 3, model.config), 2) == StepKind(True, True, True)
+    assert StepKind.of(decode_batch(cache, list(range(5)), 3, model.config), 5) == StepKind(True, True, False)
+    assert StepKind.of(_chunk_batch(cache, [[], [], []]), 18) == StepKind(True, False, False)
+    assert StepKind.of(_chunk_batch(cache, [[(3, 0)], [], []]), 18) == StepKind(False, False, False)
+    assert StepKind.of(StepBatch.single(3), 3) is None
+    assert StepKind.of(decode_batch(cache, [0], 3, model.config), 10 ** 6) is None
 
 
 def test_a_decode_program_of_native_layers_is_one_call(make_checkpoint):

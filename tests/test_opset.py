@@ -53,7 +53,7 @@ def test_engine_greedy_output_is_the_same_with_reference_ops(make_checkpoint, pr
         return original_varlen(self, qkv, g, beta, core, seqs, *args)
 
     monkeypatch.setattr(KimiDeltaAttention, "_prefill_varlen", varlen_spy)
-    fast_llm = make_llm(path, max_num_batched_tokens=48)
+    fast_llm = make_llm(path, max_num_batched_tokens=48, backend="torch")
     fast = fast_llm.generate(prompts, params, use_tqdm=False)
     assert max(batched_rows) > 1  # decode tokens of several sequences went through one batched op
     assert max(varlen_seqs) > 1  # prefill chunks of several sequences went through one varlen op
@@ -152,7 +152,8 @@ def test_engine_runs_mlapo_with_weights_fused_once(make_checkpoint, monkeypatch)
     monkeypatch.setattr(mlapo.MLAWeights, "fuse", fuse_spy)
     prompts = [torch.randint(5, 700, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (30, 7, 44)]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    fast, ref = make_llm(path, max_num_batched_tokens=32), make_llm(path, max_num_batched_tokens=32, ops="reference")
+    fast = make_llm(path, max_num_batched_tokens=32, backend="torch")
+    ref = make_llm(path, max_num_batched_tokens=32, ops="reference")
     n_dsa = len(fast.engine.config.dsa_layers)
     before = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
     assert len(calls) == n_dsa * fast.engine.num_steps and len(fuses) == n_dsa
