@@ -14,11 +14,21 @@ from deltaserve.config import ModelConfig
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.mlp import MLP
 from deltaserve.layers.moe import Experts, Routing
-from deltaserve.layers.native_path import MLP_MAX_ROWS, enable_native_kernels
+from deltaserve.backends import adopt
+from deltaserve.backends.native import modules as native_modules
+from deltaserve.backends.native.modules import NATIVE_FORMS, NativeLinear, kernels_take
 from deltaserve.ops import native
 from deltaserve.ops.activation import silu_glu
+from deltaserve.ops.native_contract import MLP_MAX_ROWS
 from deltaserve.tools.presets import get_preset
-from engine_utils import bf16_runs_switched
+from engine_utils import assert_pools_free, make_llm, random_prompts
+from deltaserve.engine.sampling_params import SamplingParams
+
+
+def enable_native_kernels(module: torch.nn.Module) -> int:
+    """Give the module (and its children) their native forms where the kernels take their weights, as the native
+    backend does at load; returns how many changed."""
+    return adopt(module, NATIVE_FORMS, kernels_take)
 
 pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
 
@@ -82,18 +92,20 @@ def test_tiles_are_usable_where_the_cpu_has_amx_bf16():
     assert native.tiles_usable() == ({"amx_bf16", "amx_tile"} <= flags)
 
 
-def test_module_group_on_the_kernels_gives_each_modules_product():
-    from deltaserve.layers.prepack import PackedWeights, module_group
+def test_stacked_native_product_gives_each_linears_product():
+    """KDA's input projections as one product over the stacked weights: each part is that linear's own product."""
+    from deltaserve.backends.packs import PackedWeights, native_product
     g = torch.Generator().manual_seed(2)
     linears = [Linear(64, n).to(torch.bfloat16) for n in (16, 8, 40)]
     with torch.no_grad():
         for lin in linears:
             lin.weight.copy_(torch.randn(lin.weight.shape, generator=g))
             enable_native_kernels(lin)
-    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
-    parts = module_group(x, linears, PackedWeights())
-    for lin, part in zip(linears, parts):
-        assert torch.equal(part, lin(x))  # the same kernel, one call instead of three
+    for rows in (3, 9):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        y = native_product(x, [lin.weight for lin in linears], PackedWeights())
+        for lin, part in zip(linears, torch.split(y, [16, 8, 40], dim=-1)):
+            assert torch.equal(part, lin(x))  # the same kernel, one call instead of three
 
 
 def test_native_linear_follows_weight_changes():
@@ -303,17 +315,18 @@ def test_shared_expert_in_the_expert_pass_is_the_sum_of_both_outputs(T, IS):
 def test_moe_block_runs_its_shared_mlp_in_the_expert_pass(monkeypatch):
     """MoE's native path hands its shared MLP to the expert kernel (one call: no separate MLP products) and
     gives the torch path's output to fp32 rounding of the dot products."""
-    from deltaserve.layers import moe as moe_module
+    from deltaserve.layers.moe import MoE
     config = ModelConfig.from_dict(get_preset("kimi-linear-tiny").config)
-    block = _bf16_params(moe_module.MoE(config), 3)
+    block = _bf16_params(MoE(config), 3)
     T = 40
     x = torch.randn(T, config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     ref = block(x).detach()
     assert enable_native_kernels(block) >= 4
     calls = []
-    real = moe_module.moe_bf16
-    monkeypatch.setattr(moe_module, "moe_bf16", lambda *a, **kw: calls.append(kw.get("shared")) or real(*a, **kw))
-    monkeypatch.setattr(MLP, "forward", lambda *a: pytest.fail("the shared MLP ran on its own"))
+    real = native_modules.moe_bf16
+    monkeypatch.setattr(native_modules, "moe_bf16",
+                        lambda *a, **kw: calls.append(kw.get("shared")) or real(*a, **kw))
+    monkeypatch.setattr(native_modules.NativeMLP, "forward", lambda *a: pytest.fail("the shared MLP ran on its own"))
     got = block(x)
     assert len(calls) == 1 and calls[0] is not None and calls[0][3] == block.shared_experts.gate_proj.out_features
     torch.testing.assert_close(got, ref, atol=float(ref.abs().max()) * 2 ** -7, rtol=2 ** -6)
@@ -355,10 +368,10 @@ def test_mlp_and_linear_modules_switch_to_the_kernels(T, monkeypatch):
     mlp = mlp.to(torch.bfloat16)
     x = torch.randn(T, 64, generator=g).to(torch.bfloat16)
     plain = mlp(x)
-    assert enable_native_kernels(mlp) == 3 and all(m.native for m in mlp.modules() if isinstance(m, Linear))
-    import deltaserve.layers.mlp as mlp_module
+    assert enable_native_kernels(mlp) == 4 and all(type(m) is NativeLinear for m in mlp.modules()
+                                                   if isinstance(m, Linear))
     layouts = []
-    monkeypatch.setattr(mlp_module, "moe_bf16",
+    monkeypatch.setattr(native_modules, "moe_bf16",
                         lambda *a, **kw: layouts.append(kw["packed"][0].shape[-2:]) or native.moe_bf16(*a, **kw))
     # the fused expert kernel at every size: on the row packs up to MLP_MAX_ROWS, the column packs above
     got = mlp(x)
@@ -394,7 +407,17 @@ def test_a_failed_build_leaves_the_torch_paths(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "deepseek-v32-tiny"])
 def test_engine_greedy_tokens_unchanged_by_the_kernels(make_checkpoint, preset):
-    runs = bf16_runs_switched(make_checkpoint(preset), "native_kernels", "native", seed=7, logprobs=1)
+    """A bf16 engine on the native backend and one on the torch backend: the same greedy tokens, sampled-token
+    logprobs within bf16 noise."""
+    prompts = random_prompts([9, 30, 17], seed=7, high=700)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    runs = []
+    for backend in ("native", "torch"):
+        llm = make_llm(make_checkpoint(preset), dtype="bfloat16", backend=backend)
+        assert any(type(m) is NativeLinear for m in llm.engine.model.modules()) == (backend == "native")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs])
+        assert_pools_free(llm.engine)
     for (tokens_on, lp_on), (tokens_off, lp_off) in zip(*runs):
         assert tokens_on == tokens_off
         torch.testing.assert_close(torch.tensor(lp_on), torch.tensor(lp_off), atol=0.05, rtol=0)

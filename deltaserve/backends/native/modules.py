@@ -21,8 +21,8 @@ from ...layers.mla import MLAttention
 from ...layers.mlp import MLP, situ_params
 from ...layers.moe import MoE, Experts, Router, Routing
 from ...layers.norm import RMSNorm
-from ...ops.native import (gated_rmsnorm_bf16, linear_heads, linear_heads_columns, moe_bf16, pack_columns, pack_rows,
-                           rmsnorm_bf16, router_bf16)
+from ...ops.native import (gated_rmsnorm_bf16, linear_heads, linear_heads_columns, moe_bf16, native_library,
+                           pack_columns, pack_rows, rmsnorm_bf16, router_bf16)
 from ...ops.native_contract import LINEAR_MAX_ROWS, MLP_MAX_ROWS
 from ..packs import PackedWeights, native_product, takes_native
 
@@ -199,8 +199,10 @@ NATIVE_FORMS: dict[type, type] = {
 
 
 def kernels_take(module: torch.nn.Module) -> bool:
-    """The module's weights are what the kernels read: bf16 on the CPU (for MLA, a plain bf16 kv_b_proj; for KDA,
-    its output norm weight)."""
+    """The kernels built and the module's weights are what they read: bf16 on the CPU (for MLA, a plain bf16
+    kv_b_proj; for KDA, its output norm weight)."""
+    if native_library() is None:
+        return False
     if isinstance(module, MLAttention):
         weight = module.kv_b_proj.weight if isinstance(module.kv_b_proj, Linear) else None
     elif isinstance(module, KimiDeltaAttention):
