@@ -1,7 +1,10 @@
-"""Each backend is exact against itself across schedules: on every preset, in bf16, the greedy tokens of requests that
-arrive staggered (batched with others, prefilled in chunks under a small token budget, resumed from prefix-cache
+"""Each backend is exact against itself across schedules: on every preset, the greedy tokens of requests that arrive
+staggered (batched with others, prefilled in chunks under a small token budget, resumed from prefix-cache
 hits, preempted and recomputed) are those of the same backend running each request alone with its whole prompt in
-one step. Where the two differ, the alone run's own logprobs must show a near-tie between the two tokens there (bf16
+one step. The native backend runs in bf16, the dtype its kernels are for; the torch backend in fp32: its chunked
+KDA form rounds differently from its recurrent one by ~1e-4 relative, which bf16 activations on the tiny random K3
+models amplify into another first token (the reference op set and the native kernels agree there). Where the two
+differ, the alone run's own logprobs must show a near-tie between the two tokens there (bf16
 logits tie exactly more often than one would think, and sums in another order can flip a near-tie), and such
 divergences must be rare."""
 
@@ -15,9 +18,10 @@ from deltaserve.ops import native
 from engine_utils import assert_pools_free, drive, make_llm, pool_bytes, random_prompts
 
 PRESETS = ["kimi-linear-tiny", "k31-tiny", "k3-tiny", "deepseek-v32-tiny"]
-BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(native.native_library() is None,
-                                                                    reason="no C compiler to build the kernels"))]
-NEAR_TIE_BF16 = 0.05  # top-2 logprob gap under which a bf16 argmax may flip with the summation order
+BACKENDS = [("torch", "float32"),
+            pytest.param("native", "bfloat16", marks=pytest.mark.skipif(native.native_library() is None,
+                                                                        reason="no C compiler to build the kernels"))]
+NEAR_TIE = 0.05  # logprob gap under which a bf16 argmax may flip with the summation order
 MAX_TOKENS = 8
 
 
@@ -32,15 +36,16 @@ def _params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, dtype", BACKENDS)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_schedules_give_the_tokens_of_each_request_alone(make_checkpoint, backend, preset):
+def test_schedules_give_the_tokens_of_each_request_alone(make_checkpoint, backend, dtype, preset):
     path = make_checkpoint(preset)
     prompts = _prompts()
-    config = make_llm(path, dtype="bfloat16", backend="torch").engine.config
+    config = make_llm(path, dtype=dtype, backend="torch").engine.config
     # 6 state slots, 14 pages of 16 tokens and 16 state checkpoints for 16 requests of up to 4 pages: preemption.
-    memory = pool_bytes(config, num_slots=6, num_blocks=14, block_size=16, dtype=torch.bfloat16, num_checkpoints=16)
-    llm = make_llm(path, dtype="bfloat16", backend=backend, max_num_seqs=6, block_size=16, kv_cache_memory=memory,
+    memory = pool_bytes(config, num_slots=6, num_blocks=14, block_size=16, dtype=getattr(torch, dtype),
+                        num_checkpoints=16)
+    llm = make_llm(path, dtype=dtype, backend=backend, max_num_seqs=6, block_size=16, kv_cache_memory=memory,
                    max_num_batched_tokens=24, max_state_checkpoints=16)
     engine = llm.engine
     assert engine.core.backend.name == backend
@@ -51,7 +56,7 @@ def test_schedules_give_the_tokens_of_each_request_alone(make_checkpoint, backen
     assert engine.scheduler.num_preemptions > 0
     assert engine.core.prefix.num_hit_tokens > 0
 
-    alone_llm = make_llm(path, dtype="bfloat16", backend=backend, max_num_batched_tokens=100_000)
+    alone_llm = make_llm(path, dtype=dtype, backend=backend, max_num_batched_tokens=100_000)
     ties = []
     for i, prompt in enumerate(prompts):
         got = list(done[f"r{i}"].outputs[0].token_ids)
@@ -64,7 +69,7 @@ def test_schedules_give_the_tokens_of_each_request_alone(make_checkpoint, backen
         k = next(j for j in range(MAX_TOKENS) if got[j] != want[j])
         top = dict(alone.logprobs[k].top)
         gap = top[want[k]] - top.get(got[k], float("-inf"))
-        assert gap < NEAR_TIE_BF16, (
+        assert gap < NEAR_TIE, (
             f"{backend} {preset} prompt {i}: token {k} is {got[k]} batched, {want[k]} alone; logprob gap {gap:.3g}")
         ties.append((i, k, gap))
     # The native forms pick their product kernel by row count (dot tiles up to 4 rows, column packs above), so a

@@ -64,3 +64,35 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     faults = {mode: int(subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
                                        check=True).stdout) for mode in ("keep", "trim")}
     assert faults["keep"] < 1000 and faults["trim"] > 4 * 10_000
+
+
+def test_backend_choice_and_reasons(monkeypatch):
+    """--backend auto takes native where `native_choice` says the kernels suit the CPU, else torch; --ops reference
+    runs on torch; explicit choices are kept; native with the reference ops, or without a built library, is refused
+    with the reason. Every choice carries a reason (logged, and returned by /version)."""
+    from deltaserve.backends.select import select_backend
+    from deltaserve.engine.config import EngineArgs
+    from deltaserve.ops import native
+
+    usable, why = native.native_choice()
+    auto = select_backend("auto", "fast")
+    assert auto.name == ("native" if usable else "torch") and why in auto.reason and auto.reason.startswith("auto")
+    assert auto.ops.name == ("native" if usable else "fast")
+    torch_backend = select_backend("torch", "fast")
+    assert (torch_backend.name, torch_backend.ops.name) == ("torch", "fast")
+    reference = select_backend("auto", "reference")
+    assert (reference.name, reference.ops.name) == ("torch", "reference") and "reference" in reference.reason
+    assert select_backend("native", "fast").describe() == {"backend": "native", "ops": "native",
+                                                          "reason": f"--backend native; {why}"}
+    with pytest.raises(ConfigError, match="reference"):
+        EngineArgs(backend="native", ops="reference")
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        EngineArgs(backend="cuda")
+    from deltaserve.backends import select
+    monkeypatch.setattr(select, "native_choice", lambda: (False, "aarch64: not measured"))
+    fallback = select_backend("auto", "fast")
+    assert fallback.name == "torch" and fallback.reason == "auto: aarch64: not measured"
+    monkeypatch.setattr(select, "native_library", lambda: None)
+    monkeypatch.setattr(select, "native_choice", lambda: (False, "the native kernels did not build"))
+    with pytest.raises(ConfigError, match="--backend native: the native kernels did not build"):
+        select_backend("native", "fast")

@@ -21,6 +21,7 @@ from k3_reference import (K3Reference, attn_res_mix, hand_topk, l2_norm_heads, l
 import deltaserve
 from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import StepBatch
+from deltaserve.models.decoder import Eager
 from deltaserve.ops.activation import silu_glu, situ_glu
 from deltaserve.ops.attn_res import attn_res_mix as ds_mix
 from deltaserve.ops.attn_res import attn_res_mix_native as ds_mix_native
@@ -201,36 +202,24 @@ def test_attn_res_sources_counted_in_the_model(k31):
     model, ref = k31
     sim = _simulate_bank(ref.L, lambda l: l % ref.S == 0)
     seen: dict[str, list[int]] = {"attn": [], "ffn": [], "out": []}
-    patched = []
+    attn_queries = {id(layer.self_attention_res) for layer in model.layers}
 
-    def spy(module, key):
-        original = module.mix
-
-        def mix(sources, batch):
+    class Counting(Eager):
+        def mix(self, query, sources):
+            key = "out" if query is model.output_attn_res else "attn" if id(query) in attn_queries else "ffn"
             seen[key].append(len(sources))
-            return original(sources, batch)
+            return super().mix(query, sources)
 
-        module.mix = mix
-        patched.append(module)
-
-    for layer in model.layers:
-        spy(layer.self_attention_res, "attn")
-        spy(layer.mlp_res, "ffn")
-    spy(model.output_attn_res, "out")
-    try:
-        ids = torch.arange(6)
-        bank: list[torch.Tensor] = []
-        batch = StepBatch.single(6)
-        with torch.no_grad():
-            h = model.embed_tokens(ids)
-            sizes = []
-            for layer in model.layers:
-                h = layer.forward_attn_res(h, bank, batch)
-                sizes.append(len(bank))
-            model.output_attn_res.mix(bank + [h], batch)
-    finally:
-        for m in patched:
-            del m.mix
+    ids = torch.arange(6)
+    bank: list[torch.Tensor] = []
+    blocks = Counting(StepBatch.single(6))
+    with torch.no_grad():
+        h = model.embed_tokens(ids)
+        sizes = []
+        for layer in model.layers:
+            h = layer.apply_attn_res(h, bank, blocks)
+            sizes.append(len(bank))
+        blocks.mix(model.output_attn_res, bank + [h])
     # one source ⇒ no mixing call is needed (layer 0 attention); otherwise the counts must match
     assert [n for n in sim["attn"] if n > 1] == seen["attn"]
     assert sim["ffn"] == seen["ffn"] and [sim["out"]] == seen["out"]
@@ -253,7 +242,7 @@ def test_attn_res_stack_matches_section_5_3_loop(k31):
             pre = f"model.layers.{l}."
             # deltaserve's single layer on the same state
             bank_ds = list(B)
-            out_ds = layer.forward_attn_res(h, bank_ds, batch)
+            out_ds = layer.apply_attn_res(h, bank_ds, Eager(batch))
             # the §5.3 loop
             p = h
             x = p if not B else ref.mix(B + [p], pre + "self_attention_res")

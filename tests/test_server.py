@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.ops.native import native_choice
 
 from server_utils import (all_free, assert_all_free, integrity, iter_sse, metric, pid_alive, run_server,
                           wait_until)
@@ -86,7 +87,10 @@ def test_models_version_tokenize_roundtrip(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert card["max_model_len"] == 4096 and card["object"] == "model"
-    assert httpx.get(server.url + "/version").json()["version"]
+    version = httpx.get(server.url + "/version").json()
+    assert version["version"] and version["reason"]
+    assert version["backend"] == ("native" if native_choice()[0] else "torch")  # --backend auto
+    assert version["ops"] == ("native" if version["backend"] == "native" else "fast")
     assert httpx.get(server.url + "/health").status_code == 200
     for text in PROMPTS + ["héllo wörld — 中文 ✓"]:
         r = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()

@@ -13,9 +13,10 @@ log says which forms were built, and `native_choice` says whether `--backend aut
 
 The wrappers take torch tensors and check what the C side assumes (bf16, CPU, contiguous rows); the reference
 twins are `F.linear`, the torch MoE dispatch and router in `layers/moe.py` and the torch norms (tests/test_native.py
-and tests/test_fused_blocks.py hold them together). The KDA kernels are wrapped by `ops/kda_native.py` (ops of the
-op set, each with its reference twin), AttnRes mixing by `ops/attn_res.py`, the fused decode blocks (blocks.c) by
-`layers/fused_blocks.py` and a decode step of the whole stack (stack.c) by `layers/fused_stack.py`.
+and tests/test_native_ops.py hold them together). The KDA kernels are wrapped by `ops/kda_native.py` (the `_native`
+ops of the native op set, each beside its torch twin and reference), AttnRes mixing by `ops/attn_res.py`, the
+fused blocks (blocks.c) by `backends/native/blocks.py` and the programs that run them (stack.c) by
+`backends/native/program.py`.
 """
 
 from __future__ import annotations
