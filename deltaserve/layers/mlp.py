@@ -8,11 +8,6 @@ from ..ops.activation import silu_glu, situ_glu
 from .linear import Linear
 
 
-def situ_params(config: ModelConfig) -> tuple[float, float | None] | None:
-    """(beta, linear_beta) when the activation is SiTU, else None (SiLU-GLU): what the native kernels are told."""
-    return (config.situ_beta, config.situ_linear_beta) if config.hidden_act == "situ" else None
-
-
 def glu_activation(config: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The configured gated activation act(gate, up)."""
     if config.hidden_act == "situ":

@@ -31,12 +31,12 @@ from ...config import ModelConfig
 from ...layers.derived import Derived
 from ...layers.kda import KimiDeltaAttention
 from ...layers.mla import MLAttention
-from ...layers.mlp import MLP, situ_params
+from ...layers.mlp import MLP
 from ...layers.moe import MoE
 from ...layers.norm import RMSNorm
 from ...ops.native_contract import LINEAR_MAX_ROWS, DsaBlock, KdaBlock, MlaBlock, MoeBlock
 from .modules import (NativeExperts, NativeKimiDeltaAttention, NativeLinear, NativeMLAttention, NativeMLP, NativeMoE,
-                      NativeRMSNorm, NativeRouter)
+                      NativeRMSNorm, NativeRouter, situ_params)
 
 # The most rows a KDA, dense MLA or plain FFN block takes: it caps a block's scratch (~25 KiB a row on
 # kimi-linear-small's KDA block). Above LINEAR_MAX_ROWS their products read the column packs, as the modules do.

@@ -18,13 +18,19 @@ from ...layers.derived import Derived
 from ...layers.kda import KimiDeltaAttention
 from ...layers.linear import Linear
 from ...layers.mla import MLAttention
-from ...layers.mlp import MLP, situ_params
+from ...config import ModelConfig
+from ...layers.mlp import MLP
 from ...layers.moe import MoE, Experts, Router, Routing
 from ...layers.norm import RMSNorm
 from ...ops.native import (gated_rmsnorm_bf16, linear_heads, linear_heads_columns, moe_bf16, native_library,
                            pack_columns, pack_rows, rmsnorm_bf16, router_bf16)
 from ...ops.native_contract import LINEAR_MAX_ROWS, MLP_MAX_ROWS
 from ..packs import PackedWeights, native_product, takes_native
+
+
+def situ_params(config: ModelConfig) -> tuple[float, float | None] | None:
+    """(beta, linear_beta) when the activation is SiTU, else None (SiLU-GLU): what the expert kernel is told."""
+    return (config.situ_beta, config.situ_linear_beta) if config.hidden_act == "situ" else None
 
 
 class NativeLinear(Linear):
