@@ -133,7 +133,7 @@ def test_chunk_program_equals_the_modules(make_checkpoint, monkeypatch, preset, 
     assert kind == StepKind(kda=kda_native, decode=False, few=False)
     program = write_program(model, kind, backend.programs.plans, caches[0])
     kinds = [k for seg in program.segments for k in (seg.kinds or [seg.node.kind])]
-    assert ("kda" in kinds) == kda_native and "mla" not in kinds and "attention" in kinds
+    assert ("kda" in kinds) == kda_native and "mla" not in kinds and "attention-modules" in kinds
 
 
 def test_step_kinds(make_checkpoint):

@@ -109,19 +109,6 @@ def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> Descriptor:
     return Descriptor(block, keep)
 
 
-def kda_pools(attn: KimiDeltaAttention, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The layer's conv and recurrent slot pools when they are in the layout the block reads."""
-    pool = cache.kda_slot_pool(attn.layer)
-    if pool is None:
-        return None
-    conv, rec = pool
-    P, W, K = attn.P, attn.W, attn.K
-    if (conv.dtype != torch.float32 or rec.dtype != torch.float32 or conv.device.type != "cpu"
-            or conv.stride()[1:] != (P * (W - 1), W - 1, 1) or rec.stride()[1:] != (K * K, K, 1)):
-        return None
-    return conv, rec
-
-
 def _kda_plan(attn: KimiDeltaAttention, norm: RMSNorm) -> Plan | None:
     linears = [*attn.input_linears(), attn.f_b_proj, attn.o_proj]
     if not attn.config.kda_full_rank_gate:
@@ -204,24 +191,6 @@ def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor | None:
         index_eps=c.index_norm_eps, scale=attn.scale, index_weight_scale=W.index_n_heads ** -0.5,
         index_dim_scale=W.index_head_dim ** -0.5)
     return Descriptor(block, keep)
-
-
-def _page_rows(t, width: int) -> bool:
-    """A plain bf16/fp32 CPU page tensor of rows of `width` (not an 8-bit cache)."""
-    return (isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float32) and t.device.type == "cpu"
-            and t.stride(-1) == 1 and t.shape[-1] == width)
-
-
-def dsa_pages(attn: MLAttention, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The layer's latent and index-key page rows when both are plain bf16/fp32 rows (not an 8-bit cache, not a
-    cache that stores sequences contiguously)."""
-    pages = cache.mla_pages(attn.layer)
-    if pages is None:
-        return None
-    latent, keys, scales = pages
-    if scales is not None or not (_page_rows(latent, attn.r + attn.rho) and _page_rows(keys, attn.indexer.head_dim)):
-        return None
-    return latent, keys
 
 
 def ffn_plan(ffn: torch.nn.Module, norm: RMSNorm, config: ModelConfig) -> Plan | None:

@@ -68,7 +68,7 @@ class _Node:
     """One recorded sub-block or mix: the values it reads and the value it writes (value 0: the embedded input).
     `op` is the native op record (registers filled in at allocation), or None for a call of the modules."""
 
-    kind: str  # "kda", "mla", "dsa", "ffn", "mix" (native) or "attention", "ffn-modules", "mix-modules"
+    kind: str  # "kda", "mla", "dsa", "ffn", "mix" (native) or "attention-modules", "ffn-modules", "mix-modules"
     inputs: list[int]
     out: int
     op: StackOp | None = None
@@ -110,7 +110,7 @@ class ProgramWriter:
         return out
 
     def attention(self, layer: DecoderLayer, x: int, residual: int | None) -> int:
-        return self._sub_block(self.plans.attention(layer), "attention", layer, x, residual)
+        return self._sub_block(self.plans.attention(layer), "attention-modules", layer, x, residual)
 
     def ffn(self, layer: DecoderLayer, x: int, residual: int | None) -> int:
         return self._sub_block(self.plans.ffn(layer), "ffn-modules", layer, x, residual)
@@ -191,9 +191,6 @@ def dsa_pages(attn, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
     return latent, keys
 
 
-_UNSET = object()
-
-
 class LayerPlans:
     """Every layer's block plans, gathered at first use (None: the sub-block is never native)."""
 
@@ -272,7 +269,7 @@ def _run_modules(node: _Node, regs: torch.Tensor, eager: Eager) -> torch.Tensor:
     if node.kind == "mix-modules":
         return eager.mix(node.query, values)
     residual = values[1] if node.residual else None
-    if node.kind == "attention":
+    if node.kind == "attention-modules":
         return eager.attention(node.layer, values[0], residual)
     return eager.ffn(node.layer, values[0], residual)
 
@@ -353,6 +350,7 @@ class Programs:
     def __init__(self):
         self.plans = LayerPlans()
         self._sources: list[torch.Tensor] | None = None
+        self._rotary = None
         self._cache = None
         self._by_kind: dict[StepKind, Derived] = {}
 
@@ -366,16 +364,20 @@ class Programs:
             self._cache, self._by_kind = batch.cache, {}
         if self._sources is None:
             self._sources = self.plans.sources(model)
+            # every DSA layer's rotation is built from the same config keys, so the first serves them all
+            self._rotary = next((layer.self_attn.rotary for layer in model.layers
+                                 if getattr(layer.self_attn, "indexer", None) is not None), None)
         program = self._by_kind.setdefault(kind, Derived()).get(
             self._sources, lambda: write_program(model, kind, self.plans, batch.cache))
         if program is None:
             return None
-        step, keep = _step_inputs(batch, kind, model)
+        step, keep = _step_inputs(batch, kind, self._rotary)
         return program.run(h, batch, step)
 
 
-def _step_inputs(batch: StepBatch, kind: StepKind, model) -> tuple[StackStep, list]:
-    """The step's own inputs (`StackStep`) and the tensors they point into."""
+def _step_inputs(batch: StepBatch, kind: StepKind, rotary) -> tuple[StackStep, list]:
+    """The step's own inputs (`StackStep`) and the tensors they point into; `rotary` is the DSA layers' rotation
+    (DeepSeek-V3.2; None for NoPE)."""
     slots = cu = rows = write = cos_sin = None
     nseq = batch.num_seqs
     if kind.kda:
@@ -383,9 +385,7 @@ def _step_inputs(batch: StepBatch, kind: StepKind, model) -> tuple[StackStep, li
     if kind.decode:
         rows = batch.decode_context_rows
         write = batch.write_rows.to(torch.int64).contiguous()
-        rotary = next((layer.self_attn.rotary for layer in model.layers
-                       if getattr(layer.self_attn, "indexer", None) is not None), None)
-        if rotary is not None:  # every DSA layer's rotation is built from the same config keys
+        if rotary is not None:
             cos_sin = torch.stack(rotary.cos_sin(batch.positions)).float().contiguous()
     keep = [t for t in (slots, cu, rows, write, cos_sin) if t is not None]
     step = StackStep(slots=address(slots), nseq=nseq, cu=address(cu), rows=address(rows),
