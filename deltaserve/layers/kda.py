@@ -85,14 +85,19 @@ class KimiDeltaAttention(nn.Module):
             else:
                 rows = torch.tensor(starts, device=qkv.device)
                 core[rows] = self._decode_batched(qkv[rows], g[rows], beta[rows], pool, slots, batch.ops)
-            for i in decode:
-                for _, checkpoint in batch.snapshots(i):
-                    slot = batch.handle(i).slot
-                    batch.cache.save_kda_checkpoint(self.layer, checkpoint, pool[0][slot], pool[1][slot])
+            self.save_end_snapshots(batch, pool, decode)
         prefill = [i for i in range(batch.num_seqs) if i not in decode]
         if prefill:  # chunks of several sequences: varlen chunked ops over their slots
             core = self._prefill_varlen(qkv, g, beta, core, prefill, pool, batch)
         return core
+
+    def save_end_snapshots(self, batch: StepBatch, pool: tuple[torch.Tensor, torch.Tensor], seqs) -> None:
+        """Copy the slot state of each sequence in `seqs` into the checkpoints its snapshots name; every snapshot of
+        these sequences falls at the end of their rows, so the state after the step is the one to keep."""
+        for i in seqs:
+            slot = batch.handle(i).slot
+            for _, checkpoint in batch.snapshots(i):
+                batch.cache.save_kda_checkpoint(self.layer, checkpoint, pool[0][slot], pool[1][slot])
 
     def _per_sequence(self, qkv, g, beta, batch: StepBatch) -> torch.Tensor:
         """Each sequence on its own state (read and overwritten in place), cut at its prefix-cache snapshots."""

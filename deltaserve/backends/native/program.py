@@ -260,7 +260,7 @@ class Program:
                 regs[seg.node.out_reg].copy_(_run_modules(seg.node, regs, eager))
         if any(batch.kda_snapshots):
             for attn in self.kda_modules:
-                save_step_checkpoints(attn, batch, *kda_pools(attn, batch.cache))
+                attn.save_end_snapshots(batch, kda_pools(attn, batch.cache), range(batch.num_seqs))
         return regs[self.output]
 
 
@@ -272,14 +272,6 @@ def _run_modules(node: _Node, regs: torch.Tensor, eager: Eager) -> torch.Tensor:
     if node.kind == "attention-modules":
         return eager.attention(node.layer, values[0], residual)
     return eager.ffn(node.layer, values[0], residual)
-
-
-def save_step_checkpoints(attn, batch: StepBatch, conv: torch.Tensor, rec: torch.Tensor) -> None:
-    """The prefix-cache snapshots of a step a KDA block ran, each at the end of its sequence's rows: the slot's state
-    after the step copied into the checkpoint, as the layer's module does (layers/kda.py)."""
-    for handle, snapshots in zip(batch.handles, batch.kda_snapshots):
-        for _, checkpoint in snapshots:
-            batch.cache.save_kda_checkpoint(attn.layer, checkpoint, conv[handle.slot], rec[handle.slot])
 
 
 def write_program(model: torch.nn.Module, kind: StepKind, plans: LayerPlans, cache) -> Program | None:
