@@ -1,12 +1,17 @@
-"""Each backend is exact against itself across schedules: on every preset, the greedy tokens of requests that arrive
-staggered (batched with others, prefilled in chunks under a small token budget, resumed from prefix-cache
-hits, preempted and recomputed) are those of the same backend running each request alone with its whole prompt in
-one step. The native backend runs in bf16, the dtype its kernels are for; the torch backend in fp32: its chunked
-KDA form rounds differently from its recurrent one by ~1e-4 relative, which bf16 activations on the tiny random K3
-models amplify into another first token (the reference op set and the native kernels agree there). Where the two
-differ, the alone run's own logprobs must show a near-tie between the two tokens there (bf16
-logits tie exactly more often than one would think, and sums in another order can flip a near-tie), and such
-divergences must be rare."""
+"""Each backend is exact against itself across schedules: on every preset, requests that arrive staggered (batched
+with others, prefilled in chunks under a small token budget, resumed from prefix-cache hits, preempted and
+recomputed) against the same backend running each request alone with its whole prompt in one step.
+
+The torch backend runs in fp32 and must give identical greedy tokens. The native backend runs in bf16, the dtype its
+kernels are for, and is not batch-invariant there: its products pick their kernel by a step's row count (dot tiles
+up to LINEAR_MAX_ROWS rows, column packs or tiles above), so a row batched with others sums in another order than
+the same row alone and its bf16 activations round differently. On the tiny random models, whose top logprobs sit
+within a few hundredths of each other and whose DSA indexers pick keys by rank, such a rounding difference can grow
+over a few tokens into another token. So for the native backend the test bounds the first place where the two runs
+differ at all: up to it, tokens and top-5 logprobs are identical; there, the top-5 logprobs agree within
+ROUNDING and a token that differs must be a near-tie of the alone run; later tokens may part. A scheduling fault (a
+wrong position, page, state slot or snapshot) shows as a difference of whole nats at the first token it touches.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ BACKENDS = [("torch", "float32"),
             pytest.param("native", "bfloat16", marks=pytest.mark.skipif(native.native_library() is None,
                                                                         reason="no C compiler to build the kernels"))]
 NEAR_TIE = 0.05  # logprob gap under which a bf16 argmax may flip with the summation order
+ROUNDING = 0.5  # nats: bf16 rounding moves the first differing logprobs by hundredths, a scheduling fault by nats
 MAX_TOKENS = 8
 
 
@@ -33,7 +39,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _params() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
 
 
 @pytest.mark.parametrize("backend, dtype", BACKENDS)
@@ -57,23 +63,37 @@ def test_schedules_give_the_tokens_of_each_request_alone(make_checkpoint, backen
     assert engine.core.prefix.num_hit_tokens > 0
 
     alone_llm = make_llm(path, dtype=dtype, backend=backend, max_num_batched_tokens=100_000)
-    ties = []
+    parted = []
     for i, prompt in enumerate(prompts):
-        got = list(done[f"r{i}"].outputs[0].token_ids)
-        alone = alone_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                            logprobs=5), use_tqdm=False)[0].outputs[0]
+        got = done[f"r{i}"].outputs[0]
+        alone = alone_llm.generate([prompt], _params(), use_tqdm=False)[0].outputs[0]
         assert alone_llm.engine.max_step_requests == 1
-        want = list(alone.token_ids)
-        if got == want:
+        if backend == "torch":
+            assert list(got.token_ids) == list(alone.token_ids), (preset, i)
             continue
-        k = next(j for j in range(MAX_TOKENS) if got[j] != want[j])
-        top = dict(alone.logprobs[k].top)
-        gap = top[want[k]] - top.get(got[k], float("-inf"))
-        assert gap < NEAR_TIE, (
-            f"{backend} {preset} prompt {i}: token {k} is {got[k]} batched, {want[k]} alone; logprob gap {gap:.3g}")
-        ties.append((i, k, gap))
-    # The native forms pick their product kernel by row count (dot tiles up to 4 rows, column packs above), so a
-    # batched step sums in another order than the same token alone; on the tiny random models many top-2 gaps sit
-    # at bf16's logprob granularity (2^-6). The gap check above is what catches a wrong token.
-    assert len(ties) <= 4, f"{len(ties)} near-tie divergences of 16: {ties}"
+        first = _first_difference(got, alone)
+        if first is None:
+            continue
+        k, delta, flipped = first
+        assert delta < ROUNDING, f"{preset} prompt {i}: token {k} differs from alone by {delta:.3g} nats"
+        if flipped:
+            top = dict(alone.logprobs[k].top)
+            gap = top[alone.token_ids[k]] - top.get(got.token_ids[k], float("-inf"))
+            assert gap < NEAR_TIE, f"{preset} prompt {i}: token {k} flipped with a logprob gap of {gap:.3g} alone"
+        if list(got.token_ids) != list(alone.token_ids):
+            parted.append((i, k))
+    assert len(parted) <= len(prompts) // 2, f"{len(parted)} of {len(prompts)} requests parted from alone: {parted}"
+    assert_pools_free(engine)
     assert_pools_free(alone_llm.engine)
+
+
+def _first_difference(got, alone) -> tuple[int, float, bool] | None:
+    """(position, largest |delta logprob| over the top-5 tokens both runs report there, whether the token differs)
+    at the first position where the two outputs differ at all; None when they are identical."""
+    for k, (a, b) in enumerate(zip(got.logprobs, alone.logprobs)):
+        mine, theirs = dict(a.top), dict(b.top)
+        common = mine.keys() & theirs.keys()
+        delta = max((abs(mine[t] - theirs[t]) for t in common), default=float("inf"))
+        if a.token_id != b.token_id or mine != theirs:
+            return k, delta, a.token_id != b.token_id
+    return None

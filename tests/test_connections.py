@@ -443,7 +443,9 @@ def test_connection_cap(small):
 
 # --------------------------------------------------------------------------- a flood under a low open-file limit
 # The connection layer alone (uvicorn + connection_options, as run_server passes them) around a one-line ASGI app,
-# in a child whose hard open-file limit is 1024: there the cap and the backlog must be fitted under the limit.
+# in a child whose hard open-file limit is 1024: there the cap and the backlog must be fitted under the limit. The
+# header timeout is long, so that every flood connection beyond the cap is closed by the cap (and counted as such),
+# not by the timeout, however slowly a loaded machine accepts them.
 FLOOD_SERVER = """
 import argparse, logging, sys
 import uvicorn
@@ -457,7 +459,7 @@ async def app(scope, receive, send):
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 parser = argparse.ArgumentParser()
 add_cli_args(parser)
-options = connection_options(parser.parse_args(["--max-connections", "5000"]))
+options = connection_options(parser.parse_args(["--max-connections", "5000", "--timeout-header", "300"]))
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", lifespan="off", **options)
 """
 FLOOD_NOFILE = 1024
@@ -508,7 +510,9 @@ def test_flood_stays_under_a_low_open_file_limit(tmp_path):
 
         def closed_at_cap():
             return sum(int(m.group(1)) for m in REPORT.finditer(log_path.read_text(errors="replace")))
-        assert wait_until(lambda: closed_at_cap() >= len(flood) - cap, REPORT_INTERVAL_S + 5), closed_at_cap()
+        # A connect() whose SYN overflowed the listen queue is retried by the kernel after 1, 3, 7, 15, 31 s: the
+        # last flood connections can be accepted (and displace older ones) well after the burst.
+        assert wait_until(lambda: closed_at_cap() >= len(flood) - cap, 45 + REPORT_INTERVAL_S), closed_at_cap()
     finally:
         for sock in flood:
             sock.close()
