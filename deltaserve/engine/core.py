@@ -51,6 +51,8 @@ class CoreOutput:
     stop_reason: int | None
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    # With the first token of a request that asked for prompt logprobs: one report per prompt token (None first).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class EngineCore:
@@ -192,6 +194,8 @@ class EngineCore:
         if self.logits_observer is not None:
             self.logits_observer(fwd.sampled, fwd.logits)
         with timer.phase("update"):
+            for req, reports in fwd.prompt_logprobs:
+                req.prompt_logprobs += reports
             for req, n in plan.chunks:
                 req.num_computed_tokens += n
             if self.prefix is not None:
@@ -297,8 +301,9 @@ class EngineCore:
         if status is not None:
             self.scheduler.finish(req, status)
             req.finish_reason = status.value
+        scored = req.prompt_logprobs if req.prompt_logprobs is not None and len(req.output_ids) == 1 else None
         return CoreOutput(req.request_id, req.index, token, logprob, req.finish_reason, stop_reason, req.prompt_len,
-                          req.num_cached_tokens)
+                          req.num_cached_tokens, scored)
 
     def _fork_siblings(self, sampled: list[Request]) -> tuple[list[int], list[Request]]:
         """n > 1: once a prompt is computed, the other n - 1 samples share its pages and copy its KDA state, and all

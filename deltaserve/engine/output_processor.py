@@ -44,6 +44,7 @@ class _Group:
         self.prompt, self.prompt_ids, self.params = prompt, prompt_ids, params
         self.completions = [_Completion(i, tokenizer, params) for i in range(params.n)]
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -105,6 +106,8 @@ class OutputProcessor:
         if comp.finish_reason is not None:
             return False  # a stop string ended it; the core had one more token in flight
         group.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            group.prompt_logprobs = out.prompt_logprobs
         comp.token_ids.append(out.token_id)
         if out.logprob is not None:
             comp.logprobs.append(out.logprob)
@@ -137,4 +140,5 @@ class OutputProcessor:
         finished = group.finished
         if finished:
             del self._groups[request_id]
-        return RequestOutput(request_id, group.prompt, group.prompt_ids, outs, finished, group.num_cached_tokens)
+        return RequestOutput(request_id, group.prompt, group.prompt_ids, outs, finished, group.num_cached_tokens,
+                             prompt_logprobs=group.prompt_logprobs)

@@ -31,3 +31,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed this request (its completions end with "error")
+    # With SamplingParams.prompt_logprobs: per prompt token a TokenLogprobs (None for the first), once known
+    prompt_logprobs: list[Any] | None = None

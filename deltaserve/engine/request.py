@@ -47,10 +47,20 @@ class Request:
     prefix_match: int = 0  # cached pages found at admission (interval-aligned): a branch point worth a checkpoint
     siblings_pending: int = 0  # n - 1 completions still to fork from this request once its prompt is computed
     num_preemptions: int = 0
+    # With params.prompt_logprobs (first completion only): the report of each prompt token computed so far, None
+    # for the first token; filled chunk by chunk and sent with the first output token.
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         if self.client is None:
             self.client = self.request_id
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs are still owed: its prompt rows need logits, and the prefix cache must not skip them."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

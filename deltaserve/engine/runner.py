@@ -1,5 +1,6 @@
 """ModelRunner: turns a StepPlan into one StepBatch, runs the model once over the flattened tokens of every
-scheduled request, and returns fp32 logits for the requests whose last scheduled token is their newest token.
+scheduled request, and returns fp32 logits for the requests whose last scheduled token is their newest token, and
+the prompt logprobs of the prompt rows of requests that asked for them.
 
 Failures while building one request's rows raise RequestFault naming it (nothing has been computed yet, so the core
 can drop that request and run the others); a failure inside the model call belongs to the whole batch."""
@@ -17,13 +18,27 @@ from ..models.base import CausalLM
 from ..ops.qli import StepIndexMeta, build_index_meta
 from .faults import FaultInjector, RequestFault
 from .request import Request
+from .sampler import TokenLogprobs, score_tokens
 from .scheduler import StepPlan
 from .step_timer import StepTimer
+
+# Prompt rows whose logits are materialised at once: a long chunk times a large vocabulary would not fit otherwise.
+SCORE_ROWS = 256
+
+
+class PromptRows(NamedTuple):
+    """Rows of the step's hidden states whose logits score prompt tokens: rows first, first + 1, ... predict
+    `targets` (the request's next prompt tokens)."""
+
+    request: Request
+    first: int
+    targets: list[int]
 
 
 class ForwardOutput(NamedTuple):
     sampled: list[Request]  # requests that get a new token this step, in row order of `logits`
     logits: torch.Tensor  # [len(sampled), vocab] fp32
+    prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]] = []  # reports of prompt tokens scored this step
 
 
 class ModelRunner:
@@ -34,11 +49,11 @@ class ModelRunner:
         self.faults = faults
         self.device = next(model.parameters()).device
 
-    def build_batch(self, plan: StepPlan) -> tuple[torch.Tensor, StepBatch, list[int], list[Request]]:
+    def build_batch(self, plan: StepPlan) -> tuple[torch.Tensor, StepBatch, list[int], list[Request], list[PromptRows]]:
         ids: list[int] = []
         positions: list[int] = []
         query_start, context_lens, handles = [0], [], []
-        sample_rows, sampled = [], []
+        sample_rows, sampled, scored = [], [], []
         for req, n in plan.chunks:
             start = req.num_computed_tokens
             try:  # this request's pieces first, so a failure leaves the batch lists as they were
@@ -56,11 +71,15 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 sample_rows.append(query_start[-1] - 1)
                 sampled.append(req)
+            if req.scores_prompt:  # the row at position p predicts prompt token p + 1
+                lo, hi = max(start, len(req.prompt_logprobs) - 1), min(start + n, req.prompt_len - 1)
+                if hi > lo:
+                    scored.append(PromptRows(req, query_start[-2] + lo - start, req.prompt_ids[lo + 1:hi + 1]))
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         write_rows = torch.cat([h.rows[c:] for h, c in zip(handles, context_lens)]) if handles else None
         batch = StepBatch(positions_t, query_start, context_lens, self.cache, handles, list(plan.snapshots), self.ops,
                           self._index_meta(plan, positions_t, query_start), write_rows)
-        return torch.tensor(ids, dtype=torch.long, device=self.device), batch, sample_rows, sampled
+        return torch.tensor(ids, dtype=torch.long, device=self.device), batch, sample_rows, sampled, scored
 
     def _index_meta(self, plan: StepPlan, positions: torch.Tensor, query_start: list[int]) -> StepIndexMeta | None:
         """DSA metadata for the fast sparse path, built once per step and shared by every DSA layer."""
@@ -77,10 +96,21 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> ForwardOutput:
         with self.timer.phase("prepare"):
-            ids, batch, rows, sampled = self.build_batch(plan)
+            ids, batch, rows, sampled, scored = self.build_batch(plan)
         with self.timer.phase("model"):
             h = self.backend.forward(self.model, ids, batch)
             if self.faults is not None:
                 for req, _ in plan.chunks:
                     self.faults.check("model", req.request_id, req.prompt_ids)
-            return ForwardOutput(sampled, self.model.compute_logits(h[rows]))
+            logits = self.model.compute_logits(h[rows])
+        with self.timer.phase("sample"):
+            return ForwardOutput(sampled, logits, [(p.request, self._score(h, p)) for p in scored])
+
+    def _score(self, h: torch.Tensor, rows: PromptRows) -> list[TokenLogprobs]:
+        num_top = rows.request.params.prompt_logprobs
+        reports: list[TokenLogprobs] = []
+        for k in range(0, len(rows.targets), SCORE_ROWS):
+            targets = rows.targets[k:k + SCORE_ROWS]
+            first = rows.first + k
+            reports += score_tokens(self.model.compute_logits(h[first:first + len(targets)]), targets, num_top)
+        return reports

@@ -61,7 +61,9 @@ class SamplingParams:
     Defaults match vLLM. `top_k` of 0 or -1 disables top-k (stored as 0); `max_tokens=None` means
     "until max_model_len", which the engine resolves; `stop` may be given as a single string and
     is stored as a list; `logprobs=N` reports the sampled token's logprob plus the top N
-    alternatives (0 = only the sampled token, None = no logprobs).
+    alternatives (0 = only the sampled token, None = no logprobs); `prompt_logprobs=N` reports the same for every
+    prompt token after the first, from the logits of the tokens before it (vLLM's extension; the prefix cache is
+    not read for such a request, since a cached token has no logits).
 
     Raises `InvalidRequestError` (with `.field`) on construction when a value is invalid.
     """
@@ -81,6 +83,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -138,8 +141,10 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             _require(_is_count(tid), "stop_token_ids",
                      f"stop_token_ids must be ints in [0, {COUNT_MAX}], got {tid!r}")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-                 "logprobs", f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                     f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _require(isinstance(getattr(self, name), bool), name, f"{name} must be a bool, got {getattr(self, name)!r}")
 

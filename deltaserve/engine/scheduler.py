@@ -175,8 +175,9 @@ class Scheduler:
         counts[req.client] -= 1
 
     def _find_hit(self, req: Request) -> tuple[int, list[int]]:
-        """A prefix hit (pages + KDA checkpoint) skips its tokens; nothing is reserved until admission."""
-        return self.prefix.find_hit(req) if self.prefix is not None else (0, [])
+        """A prefix hit (pages + KDA checkpoint) skips its tokens; nothing is reserved until admission. A request
+        that still owes prompt logprobs computes every prompt token (a cached token has no logits)."""
+        return self.prefix.find_hit(req) if self.prefix is not None and not req.scores_prompt else (0, [])
 
     def _fits(self, req: Request, hit: int, hit_pages: list[int], budget: int) -> bool:
         """Whether `req` can be admitted now: a running slot, a state slot, and pages for its first chunk (the

@@ -206,6 +206,48 @@ def _completion_logprobs(tok: Tokenizer, token_ids: list[int], logprobs, offset:
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _prompt_logprobs_json(tok: Tokenizer, reports) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
+    for the prompt token and its top alternatives."""
+    if reports is None:
+        return None
+    out: list[dict | None] = []
+    for r in reports:
+        if r is None:
+            out.append(None)
+            continue
+        entry = {str(r.token_id): {"logprob": r.logprob, "rank": r.rank, "decoded_token": _token_str(tok, r.token_id)}}
+        for rank, (t, v) in enumerate(r.top, 1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": _token_str(tok, t)})
+        out.append(entry)
+    return out
+
+
+def _echo_logprobs(tok: Tokenizer, prompt_ids: list[int], reports) -> dict:
+    """The legacy completions `logprobs` of an echoed prompt: its tokens, their logprobs (null for the first) and
+    top alternatives (the prompt token among them), offsets from 0."""
+    tokens, values, tops, offsets, offset = [], [], [], [], 0
+    for tid, r in zip(prompt_ids, reports):
+        s = _token_str(tok, tid)
+        tokens.append(s)
+        values.append(None if r is None else r.logprob)
+        if r is None:
+            tops.append(None)
+        else:
+            top = _top_dict(tok, r.top)
+            top.setdefault(s, r.logprob)
+            tops.append(top)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _joined_logprobs(head: dict | None, tail: dict | None) -> dict | None:
+    if head is None or tail is None:
+        return tail
+    return {key: head[key] + tail[key] for key in head}
+
+
 async def completion(state: ServerState, req: CompletionRequest, raw: Request, rid: str):
     prompts = req.prompt_list()
     inputs = []
@@ -220,12 +262,16 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
         state.check_room(ids, params, "max_tokens")
     state.limits.check_tokens([len(ids) for _, ids in inputs], params.n, params.max_tokens,
                               state.engine.max_model_len, "max_tokens")
+    if params.prompt_logprobs is not None:
+        state.limits.check_prompt_logprobs([len(ids) for _, ids in inputs],
+                                           "prompt_logprobs" if req.prompt_logprobs is not None else "echo")
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
     n = params.n
     client = fairness_key(req.user, rid)
     streams = [_tracked(state, f"{rid}-{i}", text, ids, params, req.cache_salt, client)
                for i, (text, ids) in enumerate(inputs)]
+    echo_lps = req.echo and req.logprobs is not None  # the echoed prompt carries its own logprobs
 
     if not req.stream:
         collecting = [asyncio.ensure_future(_collect(s, raw)) for s in streams]
@@ -238,12 +284,15 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
         choices, completion_tokens, cached = [], 0, 0
         for i, (out, (text, ids)) in enumerate(zip(finals, inputs)):
             cached += out.num_cached_tokens
+            head = _echo_logprobs(state.tokenizer, ids, out.prompt_logprobs) if echo_lps else None
             for c in out.outputs:
                 body = (text + c.text) if req.echo else c.text
-                choices.append({"index": i * n + c.index, "text": body,
-                                "logprobs": _completion_logprobs(state.tokenizer, c.token_ids, c.logprobs,
-                                                                 len(text) if req.echo else 0),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                lps = _completion_logprobs(state.tokenizer, c.token_ids, c.logprobs, len(text) if req.echo else 0)
+                choice = {"index": i * n + c.index, "text": body, "logprobs": _joined_logprobs(head, lps),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(state.tokenizer, out.prompt_logprobs)
+                choices.append(choice)
                 completion_tokens += len(c.token_ids)
         prompt_tokens = sum(len(ids) for _, ids in inputs)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -270,13 +319,8 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         done = 0
+        started: set[int] = set()
         try:
-            if req.echo:
-                for i, (text, _ids) in enumerate(inputs):
-                    for k in range(n):
-                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [{"index": i * n + k, "text": text, "logprobs": None,
-                                                 "finish_reason": None}]})
             while done < len(tasks):
                 i, item = await queue.get()
                 if item is None:
@@ -285,6 +329,11 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
                 if isinstance(item, BaseException):
                     yield _sse(_stream_error(item))
                     continue
+                if i not in started:  # the prompt's first output: its echo and prompt logprobs are known now
+                    started.add(i)
+                    for chunk in _first_chunks(state.tokenizer, req, inputs[i], item, i * n, n):
+                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [chunk]})
                 for c in item.outputs:
                     seen = emitted_len.get((i, c.index), 0)
                     new_ids = c.token_ids[seen:]
@@ -310,6 +359,24 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
             await asyncio.gather(*tasks, return_exceptions=True)
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _first_chunks(tok: Tokenizer, req: CompletionRequest, prompt: tuple[str, list[int]], out: RequestOutput,
+                  first_index: int, n: int) -> list[dict]:
+    """What a streamed completion's choices carry before their first token: the echoed prompt (with its logprobs
+    when asked) and vLLM's prompt_logprobs; none when neither was asked for."""
+    if not req.echo and req.prompt_logprobs is None:
+        return []
+    text, ids = prompt
+    echo_lps = _echo_logprobs(tok, ids, out.prompt_logprobs) if req.echo and req.logprobs is not None else None
+    chunks = []
+    for k in range(n):
+        chunk = {"index": first_index + k, "text": text if req.echo else "", "logprobs": echo_lps,
+                 "finish_reason": None}
+        if req.prompt_logprobs is not None:
+            chunk["prompt_logprobs"] = _prompt_logprobs_json(tok, out.prompt_logprobs)
+        chunks.append(chunk)
+    return chunks
 
 
 def _stream_error(exc: BaseException) -> dict:
@@ -341,6 +408,8 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     state.check_room(ids, params, max_param)
     state.limits.check_tokens([len(ids)], params.n, params.max_tokens, state.engine.max_model_len, max_param)
+    if params.prompt_logprobs is not None:
+        state.limits.check_prompt_logprobs([len(ids)], "prompt_logprobs")
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
     stream = _tracked(state, rid, None, ids, params, req.cache_salt, fairness_key(req.user, rid))
@@ -363,9 +432,11 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
                             "logprobs": _chat_logprobs(state.tokenizer, c.token_ids, c.logprobs)})
             completion_tokens += len(c.token_ids)
             reasoning_tokens += parsed.reasoning_tokens
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": choices,
-                             "usage": _usage(len(ids), completion_tokens, out.num_cached_tokens, reasoning_tokens)})
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                "usage": _usage(len(ids), completion_tokens, out.num_cached_tokens, reasoning_tokens)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _prompt_logprobs_json(state.tokenizer, out.prompt_logprobs)
+        return JSONResponse(body)
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

@@ -21,11 +21,22 @@ class QueueFullError(DeltaserveError):
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Per-request bounds (`--max-n`, `--max-prompts-per-request`, `--max-tokens-per-request`)."""
+    """Per-request bounds (`--max-n`, `--max-prompts-per-request`, `--max-tokens-per-request`,
+    `--max-prompt-logprobs-tokens`)."""
 
     max_n: int = 16
     max_prompts_per_request: int = 64
     max_tokens_per_request: int = 1 << 20
+    # prompt tokens one request may ask logprobs for: each keeps a report (with its alternatives) until the answer
+    max_prompt_logprobs_tokens: int = 1 << 17
+
+    def check_prompt_logprobs(self, prompt_lengths: list[int], param: str) -> None:
+        """Raise InvalidRequestError when the prompts whose logprobs are asked for hold too many tokens."""
+        total = sum(prompt_lengths)
+        if total > self.max_prompt_logprobs_tokens:
+            raise InvalidRequestError(param, f"prompt logprobs were asked for {total} prompt tokens, above this "
+                                             f"server's limit of {self.max_prompt_logprobs_tokens} "
+                                             f"(--max-prompt-logprobs-tokens)")
 
     def check_shape(self, n: int, num_prompts: int, prompt_param: str) -> None:
         """Raise InvalidRequestError when `n` or the number of prompts is above its limit."""

@@ -115,15 +115,24 @@ def params_from_dict(d: dict) -> SamplingParams:
     return SamplingParams(**d)
 
 
+def _logprob_to_list(lp: TokenLogprobs | None) -> list | None:
+    return None if lp is None else [lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]]
+
+
+def _logprob_from_list(lp: list | None) -> TokenLogprobs | None:
+    return None if lp is None else TokenLogprobs(lp[0], lp[1], lp[2], [tuple(t) for t in lp[3]])
+
+
 def output_to_dict(o: CoreOutput) -> dict:
     d = dataclasses.asdict(o)
-    if o.logprob is not None:
-        d["logprob"] = [o.logprob.token_id, o.logprob.logprob, o.logprob.rank, [list(t) for t in o.logprob.top]]
+    d["logprob"] = _logprob_to_list(o.logprob)
+    if o.prompt_logprobs is not None:
+        d["prompt_logprobs"] = [_logprob_to_list(lp) for lp in o.prompt_logprobs]
     return d
 
 
 def output_from_dict(d: dict) -> CoreOutput:
-    lp = d.get("logprob")
-    if lp is not None:
-        d = {**d, "logprob": TokenLogprobs(lp[0], lp[1], lp[2], [tuple(t) for t in lp[3]])}
+    d = {**d, "logprob": _logprob_from_list(d.get("logprob"))}
+    if d.get("prompt_logprobs") is not None:
+        d["prompt_logprobs"] = [_logprob_from_list(lp) for lp in d["prompt_logprobs"]]
     return CoreOutput(**d)

@@ -316,13 +316,6 @@ class _SamplingRequest(RequestBody):
             raise request_error("logit_bias", "logit_bias is not supported yet; send null or {}")
         return value
 
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _no_prompt_logprobs(cls, value):
-        if value is not None:
-            raise request_error("prompt_logprobs", "prompt_logprobs is not supported yet; send null")
-        return value
-
     @model_validator(mode="after")
     def _check_request(self):
         if self.stream_options is not None and not self.stream:
@@ -344,6 +337,9 @@ class _SamplingRequest(RequestBody):
     def _logprobs(self) -> tuple[int | None, str]:
         raise NotImplementedError
 
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def to_sampling_params(self, default_max_tokens: int | None, *,
                            defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """Build the engine's SamplingParams; raises InvalidRequestError naming the request's field."""
@@ -360,6 +356,7 @@ class _SamplingRequest(RequestBody):
             return SamplingParams(
                 n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=self._prompt_logprobs(),
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, **kwargs)
         except InvalidRequestError as exc:
@@ -417,6 +414,12 @@ class CompletionRequest(_SamplingRequest):
     def _logprobs(self):
         return self.logprobs, "logprobs"
 
+    def _prompt_logprobs(self):
+        """`echo` with `logprobs` reports the prompt's tokens too (the legacy completions API), as vLLM does."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list: each entry is one text or one list of token ids."""
         p = self.prompt
@@ -448,6 +451,9 @@ class ChatCompletionRequest(_SamplingRequest, ChatPromptOptions):
     def _check_fields(self) -> None:
         if self.top_logprobs and not self.logprobs:
             raise request_error("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise request_error("prompt_logprobs", "prompt_logprobs is returned by non-streamed chat completions "
+                                                   "only; send stream: false or use /v1/completions")
         _check_chat_options(self.tools, self.tool_choice, self.response_format)
         _check_messages(self.messages, self.add_generation_prompt, self.continue_final_message,
                         self.chat_template_kwargs)

@@ -50,6 +50,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="most prompts in one completions request's prompt list")
     parser.add_argument("--max-tokens-per-request", type=positive_int, default=RequestLimits.max_tokens_per_request,
                         help="most tokens one request may use: prompt plus max_tokens, summed over its sequences")
+    parser.add_argument("--max-prompt-logprobs-tokens", type=positive_int,
+                        default=RequestLimits.max_prompt_logprobs_tokens,
+                        help="most prompt tokens one request may ask logprobs for (prompt_logprobs, echo + logprobs)")
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20, help="request bodies above this get 413")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds to drain on SIGTERM; requests still running then get a 503 error")
@@ -84,7 +87,8 @@ def build_state(args: argparse.Namespace) -> "ServerState":
                           max_restarts=args.max_engine_restarts, restart_window_s=args.engine_restart_window)
     metrics = Metrics(cache_config={"block_size": str(engine_args.block_size),
                                     "kv_cache_memory": str(engine_args.kv_cache_memory_bytes)})
-    limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_tokens_per_request)
+    limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_tokens_per_request,
+                           args.max_prompt_logprobs_tokens)
     return ServerState(client, tokenizer, config, path, names, metrics, args.api_key, args.max_queue_len,
                        args.max_request_bytes, limits=limits)
 
