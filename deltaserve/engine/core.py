@@ -24,6 +24,7 @@ from ..models.loader import DTYPES, load_model
 from ..tokenizer import load_tokenizer
 from .config import EngineArgs
 from .faults import FaultInjector, InjectedFault, RequestFailure, RequestFault, describe
+from .grammar import Grammars
 from .heap import keep_freed_memory
 from .request import Request, RequestStatus
 from .runner import ModelRunner
@@ -76,10 +77,12 @@ class EngineCore:
         self.faults = FaultInjector.parse(args.fault_injection)
         self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints), self.backend,
                                   self.timer, self.faults)
-        self.sampler = Sampler(seed=args.seed)
-        self.eos_ids = set(load_tokenizer(model_path).stop_token_ids(config.eos_token_ids))
+        tokenizer = load_tokenizer(model_path)
+        self.eos_ids = set(tokenizer.stop_token_ids(config.eos_token_ids))
+        self.grammars = Grammars(tokenizer, config.vocab_size, self.eos_ids, num_threads=torch.get_num_threads())
+        self.sampler = Sampler(seed=args.seed, grammars=self.grammars)
         self._requests: dict[str, list[Request]] = {}
-        self._n: dict[str, tuple[SamplingParams, int]] = {}
+        self._n: dict[str, tuple[SamplingParams, int, str | None]] = {}  # params, max_tokens, grammar text
         self._failures: dict[str, RequestFailure] = {}
 
     # ---- requests ----
@@ -100,21 +103,24 @@ class EngineCore:
                                                 f"{self.max_model_len} (at least one token must be generated)")
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        first = self._new_request(request_id, list(prompt_ids), params, max_tokens, 0)
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        first = self._new_request(request_id, list(prompt_ids), params, max_tokens, 0, grammar)
         first.cache_salt = cache_salt
         first.client = request_id if client is None else client
         first.siblings_pending = params.n - 1
         self._requests[request_id] = [first]
-        self._n[request_id] = (params, max_tokens)
+        self._n[request_id] = (params, max_tokens, grammar)
         self.scheduler.add(first)
 
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
-                     index: int) -> Request:
+                     index: int, grammar: str | None) -> Request:
         if index and params.seed is not None:
             params = params.clone()
             params.seed = params.seed + index  # each of the n samples draws its own stream
         req = Request(request_id, ids, params, max_tokens, sampling=None, index=index)
         req.sampling = SamplingState(params, req.prompt_ids, req.output_ids, self.eos_ids)
+        if grammar is not None:
+            req.sampling.grammar = self.grammars.matcher(grammar)
         return req
 
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
@@ -288,6 +294,9 @@ class EngineCore:
             raise EngineBrokenError(f"the cache pools are inconsistent after a failed step: {broken}") from exc
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprobs | None) -> CoreOutput:
+        grammar = req.sampling.grammar
+        if grammar is not None and not grammar.consume_token(token):
+            raise RuntimeError(f"the structured-output grammar rejected token {token}: {grammar.get_error()}")
         req.output_ids.append(token)
         p = req.params
         past_min = len(req.output_ids) >= p.min_tokens
@@ -296,6 +305,8 @@ class EngineCore:
             status = RequestStatus.FINISHED_STOPPED
         elif past_min and token in p.stop_token_ids:
             status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif grammar is not None and grammar.is_stopped():  # the grammar is complete: nothing but a stop id fits
+            status = RequestStatus.FINISHED_STOPPED
         elif len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
@@ -322,10 +333,10 @@ class EngineCore:
         return rows, reqs
 
     def _next_sibling(self, req: Request) -> Request:
-        params, max_tokens = self._n[req.request_id]
+        params, max_tokens, grammar = self._n[req.request_id]
         req.siblings_pending -= 1
         child = self._new_request(req.request_id, req.prompt_ids, params, max_tokens,
-                                  params.n - 1 - req.siblings_pending)
+                                  params.n - 1 - req.siblings_pending, grammar)
         child.cache_salt, child.client = req.cache_salt, req.client
         self._requests[req.request_id].append(child)
         return child

@@ -114,8 +114,9 @@ class OutputProcessor:
         p = comp.params
         past_min = len(comp.token_ids) >= p.min_tokens
         # vLLM: an eos / stop_token_ids token ends the text without its own text (kept with
-        # include_stop_str_in_output); its id stays in token_ids.
-        stop_token = out.finish_reason == "stop"
+        # include_stop_str_in_output); its id stays in token_ids. The last token of a completed grammar also
+        # finishes with "stop", and keeps its text.
+        stop_token = out.finish_reason == "stop" and (out.token_id in self.eos_ids or out.token_id == out.stop_reason)
         stop_str = None
         if not stop_token or p.include_stop_str_in_output:
             stop_str = comp.checker.append(out.token_id, check_stops=past_min)

@@ -1,6 +1,7 @@
 """Batched next-token sampling over fp32 logits [B, V] with per-row SamplingParams.
 
 Order of operations for every step (vLLM's):
+  0. structured outputs: rows with a grammar matcher get -inf on every token it does not allow (engine/grammar.py).
   1. min_tokens: while a row has fewer than `min_tokens` outputs, its eos and stop_token_ids get -inf.
   2. penalties on the (masked) logits:
        repetition (prompt + output tokens): positive logits / r, negative logits * r;
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..ops.native import argmax_rows
+from .grammar import Grammars
 from .sampling_params import SamplingParams
 
 LogprobsMode = Literal["penalized", "raw"]
@@ -58,6 +60,8 @@ class SamplingState:
     penalties and min_tokens see every generated token. The sampler itself never mutates state
     other than advancing `generator`.
     `generator` is created once, from `params.seed`, and reused every step; None when unseeded.
+    `grammar` is the completion's llguidance matcher when it has structured outputs (the core advances it with each
+    appended token), else None.
     `stop_ids_for_min_tokens` = eos ids + stop_token_ids. As in vLLM, eos is included even with
     ignore_eos, because min_tokens is about *blocking* those tokens, not about stopping.
     """
@@ -80,6 +84,7 @@ class SamplingState:
             eos.update(eos_token_id)
         self.stop_ids_for_min_tokens: set[int] = eos | set(params.stop_token_ids)
         self.generator: torch.Generator | None = None
+        self.grammar = None
         if params.seed is not None:
             self.generator = torch.Generator(device=generator_device).manual_seed(params.seed)
 
@@ -92,13 +97,15 @@ class Sampler:
     """Stateless apart from the shared generator that unseeded rows draw from.
 
     `seed` seeds that shared generator (None: seeded from OS entropy), which makes unseeded rows
-    reproducible for a fixed batch composition only.
+    reproducible for a fixed batch composition only. `grammars` computes the masks of rows with a grammar.
     """
 
-    def __init__(self, seed: int | None = None, logprobs_mode: LogprobsMode = "penalized") -> None:
+    def __init__(self, seed: int | None = None, logprobs_mode: LogprobsMode = "penalized",
+                 grammars: Grammars | None = None) -> None:
         if logprobs_mode not in ("penalized", "raw"):
             raise ValueError(f"logprobs_mode must be 'penalized' or 'raw', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
+        self.grammars = grammars
         self._seed = seed
         self._default_generators: dict[torch.device, torch.Generator] = {}
 
@@ -124,9 +131,15 @@ class Sampler:
                              f"got {tuple(logits.shape)}")
         batch, vocab = logits.shape
         raw = logits.float()
+        constrained = [i for i, st in enumerate(states) if st.grammar is not None]
         edits = any(len(st.output_token_ids) < st.params.min_tokens or st.params.repetition_penalty != 1.0
                     or st.params.frequency_penalty != 0.0 or st.params.presence_penalty != 0.0 for st in states)
-        work = raw.clone() if edits else raw  # never write into the caller's tensor (nothing writes without edits)
+        work = raw.clone() if edits or constrained else raw  # never write into the caller's tensor
+        if constrained:
+            if self.grammars is None:
+                raise ValueError("a row has a grammar but the sampler was built without Grammars")
+            allowed = self.grammars.allowed([states[i].grammar for i in constrained]).to(work.device)
+            work[constrained] = work[constrained].masked_fill(~allowed, float("-inf"))
         if edits:
             _mask_min_tokens(work, states)
             _apply_penalties(work, states)

@@ -55,6 +55,42 @@ def _require(ok: bool, name: str, message: str) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the whole output (vLLM's `structured_outputs`), enforced by token masks in the sampler
+    (engine/grammar.py). Exactly one of: `json`, a JSON schema (an object, or its JSON text); `regex`; `choice`, the
+    output is one of these strings; `grammar`, a Lark grammar in llguidance's dialect (special tokens as `<|name|>`)
+    or an llguidance JSON grammar (`{"grammars": [...]}`); `json_object`, any JSON object.
+    Whether the engine can compile it is checked when the request is added (InvalidRequestError naming
+    `structured_outputs`)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def validate(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        _require(isinstance(self.json_object, bool), "structured_outputs.json_object",
+                 f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        if self.json_object:
+            given.append("json_object")
+        _require(len(given) == 1, "structured_outputs",
+                 f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got {given}")
+        _require(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json",
+                 "structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, str) and value != "" and is_utf8(value)),
+                     f"structured_outputs.{name}", f"structured_outputs.{name} must be a non-empty UTF-8 string")
+        if self.choice is not None:
+            _require(isinstance(self.choice, list) and len(self.choice) > 0
+                     and all(isinstance(c, str) and c != "" and is_utf8(c) for c in self.choice),
+                     "structured_outputs.choice", "structured_outputs.choice must be a non-empty list of non-empty "
+                                                  "strings")
+
+
+@dataclass
 class SamplingParams:
     """Settings for generating one request's completion(s).
 
@@ -86,6 +122,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -109,6 +146,11 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):  # as it travels in messages and as vLLM accepts it
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise InvalidRequestError("structured_outputs", f"structured_outputs: {exc}") from None
 
     def validate(self) -> None:
         """Check every field (type, range, representability); raises InvalidRequestError naming the field."""
@@ -145,6 +187,10 @@ class SamplingParams:
             value = getattr(self, name)
             _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
                      f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        if self.structured_outputs is not None:
+            _require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                     "structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _require(isinstance(getattr(self, name), bool), name, f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -15,12 +15,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..chat import render_chat
 from ..config import ModelConfig
+from ..engine.grammar import Grammars
 from ..engine.outputs import RequestOutput
-from ..engine.sampling_params import InvalidRequestError, SamplingParams
+from ..engine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from ..errors import RequestFailedError
 from ..tokenizer import Tokenizer
 from .engine_client import EngineClient, EngineDeadError
 from .limits import RequestLimits, SequenceQueue
+from .constraints import chat_output_grammar, forcing
 from .metrics import Metrics
 from .parsers import parser_for
 from .protocol import (ChatCompletionRequest, ChatPromptOptions, CompletionRequest, TokenizeRequest, error_body,
@@ -41,9 +43,34 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     limits: RequestLimits = field(default_factory=RequestLimits)
     queue: SequenceQueue = field(init=False)  # sequences admitted and unfinished, bounded by max_queue_len
+    grammars: Grammars = field(init=False)  # checks structured-output constraints before they are queued
 
     def __post_init__(self) -> None:
         self.queue = SequenceQueue(self.max_queue_len)
+        self.grammars = Grammars(self.tokenizer, self.config.vocab_size,
+                                 self.tokenizer.stop_token_ids(self.config.eos_token_ids))
+
+    def check_constraint(self, spec: StructuredOutputsParams, param: str) -> None:
+        """A 400 naming `param` when llguidance cannot compile the constraint for this model."""
+        try:
+            self.grammars.compile(spec)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(param, str(exc).replace("structured_outputs", param, 1)) from None
+
+    def chat_constraint(self, req: ChatCompletionRequest, thinking: bool) -> StructuredOutputsParams | None:
+        """The whole-output constraint of a chat request: its response_format / structured_outputs on the content, or
+        its forced tool calls, inside the model's output format (server/constraints.py); checked."""
+        body, param = req.constraint()
+        forced = forcing(req.tool_dicts(), req.tool_choice_value(), req.parallel_tool_calls is not False)
+        if body is None and forced is None:
+            return None
+        if body is not None and forced is not None:
+            raise InvalidRequestError("tool_choice", f"tool_choice {req.tool_choice_value()!r} forces tool calls, so "
+                                                     f"{param} cannot also constrain the content; send one of them")
+        param = param or "tool_choice"
+        spec = chat_output_grammar(self.config, self.tokenizer, thinking, body, forced, param)
+        self.check_constraint(spec, param)
+        return spec
 
     def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
         if not ids:
@@ -258,6 +285,9 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
         # The text is what `echo` shows: the prompt as the model saw it, so a truncated one is decoded back.
         inputs.append((p if isinstance(p, str) and len(ids) == len(full) else state.tokenizer.decode(ids), ids))
     params = req.to_sampling_params(default_max_tokens=16)
+    spec, param = req.constraint()
+    if spec is not None:
+        state.check_constraint(spec, param)
     for _, ids in inputs:
         state.check_room(ids, params, "max_tokens")
     state.limits.check_tokens([len(ids) for _, ids in inputs], params.n, params.max_tokens,
@@ -405,6 +435,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
     ids = state.truncate(ids, req.truncate_prompt_tokens)
     state.check_prompt(ids, "messages")
     params = req.to_sampling_params(default_max_tokens=None)
+    params.structured_outputs = state.chat_constraint(req, thinking)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     state.check_room(ids, params, max_param)
     state.limits.check_tokens([len(ids)], params.n, params.max_tokens, state.engine.max_model_len, max_param)

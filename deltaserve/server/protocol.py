@@ -30,6 +30,7 @@ Choices worth knowing:
   "xhigh" -> "max"); `chat_template_kwargs.thinking` / `enable_thinking` / `thinking_effort` take precedence.
 """
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, Mapping, Union
@@ -42,7 +43,7 @@ from jsonschema.validators import validator_for
 from pydantic_core import PydanticCustomError
 
 from ..engine.representable import first_unrepresentable
-from ..engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from ..engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 BAD_REQUEST_TYPE = "BadRequestError"
 
@@ -181,6 +182,50 @@ class ResponseFormat(OpenAIModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+def _schema_text(value: Json | str) -> Json:
+    """A JSON schema given as an object or as its JSON text (vLLM takes both for guided_json)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise PydanticCustomError("invalid_json_schema", "not valid JSON: {reason}", {"reason": str(exc)}) from None
+        if not isinstance(value, dict):
+            raise PydanticCustomError("invalid_json_schema", "a JSON schema must be an object")
+    return _check_json_schema(value)
+
+
+SchemaOrText = Annotated[Union[Json, StrictStr], AfterValidator(_schema_text)]
+Choices = Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)]
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: SchemaOrText | None = Field(default=None, alias="json")
+    regex: Annotated[StrictStr, Field(min_length=1)] | None = None
+    choice: Choices | None = None
+    grammar: Annotated[StrictStr, Field(min_length=1)] | None = None
+    json_object: StrictBool | None = None
+    structural_tag: StrictStr | None = None
+    model_config = ConfigDict(extra="ignore", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    @model_validator(mode="after")
+    def _one(self):
+        if self.structural_tag is not None:
+            raise request_error("structured_outputs.structural_tag", "structural_tag is not supported; use json, "
+                                "regex, choice, grammar or json_object")
+        given = [n for n, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar), ("json_object", self.json_object or None)) if v is not None]
+        if len(given) != 1:
+            raise request_error("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, "
+                                f"grammar, json_object; got {given}")
+        return self
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=bool(self.json_object))
+
+
 class ChatTemplateKwargs(OpenAIModel):
     """Template switches; other keys are kept and passed to the template."""
 
@@ -222,6 +267,12 @@ def _check_messages(messages: list[dict] | None, add_generation_prompt: bool,
                             "chat_template_kwargs.thinking and enable_thinking (its alias) disagree")
 
 
+def _check_response_format(rf: ResponseFormat | None) -> None:
+    if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+        raise request_error("response_format.json_schema", "response_format of type json_schema requires "
+                            "json_schema.schema")
+
+
 def _check_chat_options(tools: list[ChatTool] | None, tool_choice: Any, response_format: ResponseFormat | None) -> None:
     if tool_choice not in (None, "none") and not tools:
         name = tool_choice if isinstance(tool_choice, str) else "a named function"
@@ -229,10 +280,7 @@ def _check_chat_options(tools: list[ChatTool] | None, tool_choice: Any, response
     if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in {t.function.name for t in tools}:
         raise request_error("tool_choice", f"tool_choice names function {tool_choice.function.name!r}, which is not "
                             "in tools")
-    rf = response_format
-    if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
-        raise request_error("response_format.json_schema", "response_format of type json_schema requires "
-                            "json_schema.schema")
+    _check_response_format(response_format)
 
 
 class ChatPromptOptions:
@@ -308,6 +356,33 @@ class _SamplingRequest(RequestBody):
     cache_salt: StrictStr | None = None
     priority: StrictInt = 0
     kv_transfer_params: Json | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: SchemaOrText | None = None  # vLLM's older spellings of structured_outputs
+    guided_regex: Annotated[StrictStr, Field(min_length=1)] | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Annotated[StrictStr, Field(min_length=1)] | None = None
+    guided_decoding_backend: StrictStr | None = None  # accepted; llguidance serves every grammar
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The request's output constraint and the field it came from (None, "" without one); at most one of
+        response_format (json_object / json_schema), structured_outputs and the guided_* fields may ask."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append((StructuredOutputsParams(json_object=True), "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            found.append((StructuredOutputsParams(json=rf.json_schema.schema_), "response_format.json_schema.schema"))
+        if self.structured_outputs is not None:
+            found.append((self.structured_outputs.params(), "structured_outputs"))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((StructuredOutputsParams(**{key: getattr(self, name)}), name))
+        if len(found) > 1:
+            raise InvalidRequestError(found[1][1], f"{found[1][1]} and {found[0][1]} both constrain the output; send "
+                                                   "one of them")
+        return found[0] if found else (None, "")
 
     @field_validator("logit_bias")
     @classmethod
@@ -320,6 +395,11 @@ class _SamplingRequest(RequestBody):
     def _check_request(self):
         if self.stream_options is not None and not self.stream:
             raise request_error("stream_options", "stream_options can only be set when stream is true")
+        _check_response_format(self.response_format)
+        try:
+            self.constraint()
+        except InvalidRequestError as exc:
+            raise request_error(exc.field, str(exc)) from None
         self._check_fields()
         try:
             self.to_sampling_params(None)
@@ -356,7 +436,7 @@ class _SamplingRequest(RequestBody):
             return SamplingParams(
                 n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=self._prompt_logprobs(),
+                prompt_logprobs=self._prompt_logprobs(), structured_outputs=self.constraint()[0],
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, **kwargs)
         except InvalidRequestError as exc:
@@ -441,7 +521,6 @@ class ChatCompletionRequest(_SamplingRequest, ChatPromptOptions):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = True
-    response_format: ResponseFormat | None = None
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     add_generation_prompt: StrictBool = True
