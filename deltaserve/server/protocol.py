@@ -469,6 +469,11 @@ Prompt = Annotated[Union[str, list[str], list[int], list[list[int]]],
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0},
+        {"prompt": "user = ", "max_tokens": 64, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "user", "schema": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                                       "required": ["name"]}}}}]})
     prompt: Prompt
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
     logprobs: LogprobCount | None = None
@@ -513,6 +518,8 @@ class CompletionRequest(_SamplingRequest):
 class ChatCompletionRequest(_SamplingRequest, ChatPromptOptions):
     """POST /v1/chat/completions."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 16}]})
     messages: Messages
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
