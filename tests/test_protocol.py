@@ -125,13 +125,16 @@ def test_chat_helpers():
 
 
 def test_thinking_resolution():
-    assert chat().thinking_settings() == (True, None)
-    assert chat(reasoning_effort="none").thinking_settings() == (False, None)
-    assert chat(reasoning_effort="high").thinking_settings() == (True, "high")
-    assert chat(reasoning_effort="xhigh").thinking_settings() == (True, "max")
-    assert chat(chat_template_kwargs={"enable_thinking": False}).thinking_settings() == (False, None)
+    # without a switch or an effort, the model's default decides
+    assert chat().thinking_settings(True) == (True, None)
+    assert chat().thinking_settings(False) == (False, None)
+    assert chat(reasoning_effort="none").thinking_settings(True) == (False, None)
+    assert chat(reasoning_effort="high").thinking_settings(False) == (True, "high")
+    assert chat(reasoning_effort="xhigh").thinking_settings(True) == (True, "max")
+    assert chat(chat_template_kwargs={"enable_thinking": False}).thinking_settings(True) == (False, None)
+    assert chat(chat_template_kwargs={"thinking": True}).thinking_settings(False) == (True, None)
     kw = chat(reasoning_effort="low", chat_template_kwargs={"thinking": True, "thinking_effort": "medium", "x": 1})
-    assert kw.template_kwargs() == {"x": 1, "thinking": True, "thinking_effort": "medium"}
+    assert kw.template_kwargs(False) == {"x": 1, "thinking": True, "thinking_effort": "medium"}
 
 
 def test_tokenize_requests():

@@ -25,8 +25,18 @@ from .base import ChatError, message_text
 from .k3 import escape_attr, normalize_k3_messages, render_k3, sorted_json, unescape_attr
 from .template import render_template
 
-__all__ = ["ChatError", "message_text", "render_chat", "render_k3", "render_template", "normalize_k3_messages",
-           "escape_attr", "unescape_attr", "sorted_json"]
+__all__ = ["ChatError", "message_text", "render_chat", "thinks_by_default", "render_k3", "render_template",
+           "normalize_k3_messages", "escape_attr", "unescape_attr", "sorted_json"]
+
+
+def thinks_by_default(tok: Tokenizer, config: ModelConfig) -> bool:
+    """Whether a chat that does not say starts in a reasoning channel: always for K3 (its format has one, docs/chat.md
+    §3.4); for a template family, when its template can open one (it writes `<think>` or reads a `thinking` /
+    `enable_thinking` switch), so an instruct model without a reasoning channel answers in content."""
+    if config.family == "kimi_k3":
+        return True
+    template = tok.chat_template or ""
+    return any(mark in template for mark in ("<think>", "thinking"))
 
 
 def render_chat(tok: Tokenizer, config: ModelConfig, messages: list[dict], add_generation_prompt: bool = True,

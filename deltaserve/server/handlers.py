@@ -13,7 +13,7 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..chat import render_chat
+from ..chat import render_chat, thinks_by_default
 from ..config import ModelConfig
 from ..engine.grammar import Grammars
 from ..engine.outputs import RequestOutput
@@ -43,12 +43,14 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     limits: RequestLimits = field(default_factory=RequestLimits)
     queue: SequenceQueue = field(init=False)  # sequences admitted and unfinished, bounded by max_queue_len
+    default_thinking: bool = field(init=False)  # whether a chat request that says nothing about thinking thinks
     grammars: Grammars = field(init=False)  # checks structured-output constraints before they are queued
 
     def __post_init__(self) -> None:
         self.queue = SequenceQueue(self.max_queue_len)
         self.grammars = Grammars(self.tokenizer, self.config.vocab_size,
                                  self.tokenizer.stop_token_ids(self.config.eos_token_ids))
+        self.default_thinking = thinks_by_default(self.tokenizer, self.config)
 
     def check_constraint(self, spec: StructuredOutputsParams, param: str) -> None:
         """A 400 naming `param` when llguidance cannot compile the constraint for this model."""
@@ -95,7 +97,7 @@ class ServerState:
         completions and /tokenize share, with the request's tools, tool_choice, response_format, thinking
         switches, chat_template_kwargs and continue_final_message. A continued final message goes on in its
         response text, so its output starts as content even with thinking on."""
-        thinking, effort = req.thinking_settings()
+        thinking, effort = req.thinking_settings(self.default_thinking)
         ids = render_chat(self.tokenizer, self.config, req.messages, add_generation_prompt=req.add_generation_prompt,
                           thinking=thinking, tools=req.tool_dicts(), tool_choice=req.tool_choice_value(),
                           response_format=req.response_format_dict(), thinking_effort=effort,

@@ -239,15 +239,17 @@ _EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
-def _template_kwargs(kwargs: ChatTemplateKwargs | None, reasoning_effort: str | None) -> dict:
+def _template_kwargs(kwargs: ChatTemplateKwargs | None, reasoning_effort: str | None, default_thinking: bool) -> dict:
     kwargs = kwargs or ChatTemplateKwargs()
     out = dict(kwargs.model_extra or {})
     if kwargs.thinking is not None:
         thinking = kwargs.thinking
     elif kwargs.enable_thinking is not None:
         thinking = kwargs.enable_thinking
-    else:
+    elif reasoning_effort is not None:
         thinking = reasoning_effort != "none"
+    else:
+        thinking = default_thinking
     effort = kwargs.thinking_effort or _EFFORTS.get(reasoning_effort or "")
     out.update(thinking=thinking, thinking_effort=effort if thinking else None)
     return out
@@ -289,18 +291,19 @@ class ChatPromptOptions:
     `tool_choice`, `response_format`, `reasoning_effort`, `chat_template_kwargs`, `add_generation_prompt` and
     `continue_final_message`."""
 
-    def template_kwargs(self) -> dict:
-        """Resolved template switches: `thinking` (bool), `thinking_effort` (str | None), plus any other kwargs."""
-        return _template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
+    def template_kwargs(self, default_thinking: bool) -> dict:
+        """Resolved template switches: `thinking` (bool: the request's switches, else its reasoning_effort, else
+        the model's `default_thinking`), `thinking_effort` (str | None), plus any other kwargs."""
+        return _template_kwargs(self.chat_template_kwargs, self.reasoning_effort, default_thinking)
 
-    def thinking_settings(self) -> tuple[bool, str | None]:
+    def thinking_settings(self, default_thinking: bool) -> tuple[bool, str | None]:
         """(thinking, thinking_effort) as resolved by `template_kwargs`."""
-        kwargs = self.template_kwargs()
+        kwargs = self.template_kwargs(default_thinking)
         return kwargs["thinking"], kwargs["thinking_effort"]
 
     def extra_template_kwargs(self) -> dict:
         """chat_template_kwargs other than the thinking switches (which `thinking_settings` resolves)."""
-        return {k: v for k, v in self.template_kwargs().items() if k not in ("thinking", "thinking_effort")}
+        return {k: v for k, v in self.template_kwargs(False).items() if k not in ("thinking", "thinking_effort")}
 
     def tool_dicts(self) -> list[dict] | None:
         """`tools` as plain dicts (None when absent or empty)."""
