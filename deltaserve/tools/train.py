@@ -4,10 +4,11 @@ write it in the real checkpoint layout. Used once to produce the shipped default
     python -m deltaserve.tools.train --out deltaserve/data/default_model --work /tmp/k31-train
 
 Steps: (1) corpus (deltaserve.tools.corpus), (2) byte-level BPE trained with `tokenizers`, exported as
-``tiktoken.model`` + ``tokenizer_config.json`` (kimi_k3 specials), (3) AdamW + cosine LR on random windows of the
-token stream, deterministic given ``--seed``; ``--work`` holds ``state.safetensors`` (model, optimiser, RNG, step) written
-every ``--ckpt-every`` steps, and the run resumes from it. Every checkpoint also exports the model folder through
-the normal writer (``make_model.checkpoint_tensors``), so an interrupted run still leaves usable weights.
+``tiktoken.model`` + ``tokenizer_config.json`` (kimi_k3 specials) and the equivalent ``tokenizer.json``, (3) AdamW +
+cosine LR on random windows of the token stream, deterministic given ``--seed``; ``--work`` holds
+``state.safetensors`` (model, optimiser, RNG, step) written every ``--ckpt-every`` steps, and the run resumes from it.
+Every checkpoint also exports the model folder through the normal writer (``make_model.checkpoint_tensors``), so an
+interrupted run still leaves usable weights.
 """
 
 from __future__ import annotations
@@ -28,25 +29,16 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..layers.batch import StepBatch
+from ..tokenizer.base import CHAR_TO_BYTE
 from .make_model import _save_sharded, build_random, checkpoint_tensors
 from .presets import get_preset
 from .tokenizer_files import _bpe_parts, tokenizer_config
+from .tokenizer_json import write_tokenizer_json
+
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json")
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer
-
-
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-level alphabet used by `tokenizers`' ByteLevel pre-tokenizer."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def train_bpe_ranks(docs: list[str], num_bpe_ranks: int) -> dict[bytes, int]:
@@ -69,11 +61,10 @@ def train_bpe_ranks(docs: list[str], num_bpe_ranks: int) -> dict[bytes, int]:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
     tok.train_from_iterator(docs, trainer)
     merges = json.loads(tok.to_str())["model"]["merges"]
-    dec = _byte_decoder()
     ranks = {bytes([b]): b for b in range(256)}
     for m in merges:
         a, b = m if isinstance(m, list) else m.split(" ", 1)
-        merged = bytes(dec[c] for c in a + b)
+        merged = bytes(CHAR_TO_BYTE[c] for c in a + b)
         if merged in ranks or _bpe_parts(merged, ranks) != 2:
             continue
         ranks[merged] = len(ranks)
@@ -91,6 +82,7 @@ def write_tokenizer(out: Path, ranks: dict[bytes, int], max_len: int) -> None:
     cfg = tokenizer_config("kimi_k3", len(ranks), model_max_length=max_len)
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
                                                encoding="utf-8", newline="\n")
+    write_tokenizer_json(out)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -149,7 +141,7 @@ def export_model(model: torch.nn.Module, config: ModelConfig, raw_config: dict, 
     raw["torch_dtype"] = dt
     raw.get("text_config", raw)["torch_dtype"] = dt
     _save_sharded(checkpoint_tensors(model, config, dtype), tmp, 2 << 30)
-    for name in ("tiktoken.model", "tokenizer_config.json"):
+    for name in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir / name, tmp / name)
     if extra:
         (tmp / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
