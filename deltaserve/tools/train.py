@@ -35,8 +35,6 @@ from .presets import get_preset
 from .tokenizer_files import _bpe_parts, tokenizer_config
 from .tokenizer_json import write_tokenizer_json
 
-TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json")
-
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer
 
@@ -82,7 +80,6 @@ def write_tokenizer(out: Path, ranks: dict[bytes, int], max_len: int) -> None:
     cfg = tokenizer_config("kimi_k3", len(ranks), model_max_length=max_len)
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
                                                encoding="utf-8", newline="\n")
-    write_tokenizer_json(out)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -131,7 +128,8 @@ def evaluate(model: torch.nn.Module, ids: list[int] | torch.Tensor, seq_len: int
 
 def export_model(model: torch.nn.Module, config: ModelConfig, raw_config: dict, tokenizer_dir: Path, out: Path,
                  dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
-    """Write the model folder (config.json, model.safetensors, tokenizer files) through the normal writer.
+    """Write the model folder (config.json, model.safetensors, the tokenizer files of ``tokenizer_dir`` and the
+    tokenizer.json made from them) through the normal writer.
     Written beside ``out`` and swapped in, so a crash never leaves a half-written folder."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -141,8 +139,9 @@ def export_model(model: torch.nn.Module, config: ModelConfig, raw_config: dict, 
     raw["torch_dtype"] = dt
     raw.get("text_config", raw)["torch_dtype"] = dt
     _save_sharded(checkpoint_tensors(model, config, dtype), tmp, 2 << 30)
-    for name in TOKENIZER_FILES:
+    for name in ("tiktoken.model", "tokenizer_config.json"):
         shutil.copyfile(tokenizer_dir / name, tmp / name)
+    write_tokenizer_json(tmp)
     if extra:
         (tmp / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
     (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
