@@ -24,13 +24,17 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 GREEDY = dict(temperature=0, max_tokens=12)
 
 
+def json_only(src, dest):
+    """A copy of checkpoint `src` without tiktoken.model."""
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("tiktoken.model"))
+    return dest
+
+
 @pytest.fixture(scope="module")
 def checkpoints(make_checkpoint, tmp_path_factory):
-    """(the make-model checkpoint, a copy of it without tiktoken.model)."""
+    """(the make-model checkpoint the server tests use, a copy of it without tiktoken.model)."""
     src = make_checkpoint("kimi-linear-tiny")
-    dst = tmp_path_factory.mktemp("json_only") / "model"
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("tiktoken.model"))
-    return src, dst
+    return src, json_only(src, tmp_path_factory.mktemp("json_only") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +42,15 @@ def reference(checkpoints):
     return LLM(str(checkpoints[0]), kv_cache_memory="32MiB")
 
 
-def test_offline_llm_on_tokenizer_json_alone(checkpoints, reference):
-    llm = LLM(str(checkpoints[1]), kv_cache_memory="32MiB")
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "deepseek-v32-tiny"])
+def test_offline_llm_on_tokenizer_json_alone(make_checkpoint, tmp_path, preset):
+    src = make_checkpoint(preset)
+    reference = LLM(str(src), kv_cache_memory="32MiB")
+    llm = LLM(str(json_only(src, tmp_path / "model")), kv_cache_memory="32MiB")
     assert isinstance(llm.tokenizer, HFTokenizer) and isinstance(reference.tokenizer, TiktokenTokenizer)
     for text in STRINGS:
         assert llm.tokenizer.encode(text) == reference.tokenizer.encode(text)
+    assert llm.engine.core.eos_ids == reference.engine.core.eos_ids
     params = SamplingParams(**GREEDY)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     want = reference.generate(PROMPTS, params, use_tqdm=False)
