@@ -15,7 +15,7 @@ def load_model(path, dtype: str = "float32", device: str = "cpu", quantization: 
 
 
 def load_tokenizer(path):
-    """Load a checkpoint folder's tiktoken.model + tokenizer_config.json."""
+    """Load a checkpoint folder's tokenizer: tiktoken.model + tokenizer_config.json, else tokenizer.json."""
     from .tokenizer import load_tokenizer as _load
 
     return _load(path)

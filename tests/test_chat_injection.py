@@ -20,7 +20,7 @@ import pytest
 from deltaserve.chat import ChatError, render_chat, render_template
 from deltaserve.config import ModelConfig
 from deltaserve.default_model import default_model_path
-from deltaserve.tokenizer import Tokenizer, load_tokenizer
+from deltaserve.tokenizer import TiktokenTokenizer, Tokenizer, load_tokenizer
 from deltaserve.tools.presets import get_preset
 from deltaserve.tools.tokenizer_files import write_tokenizer_files
 
@@ -155,7 +155,7 @@ FILTER_TEMPLATE = (
 def test_filters_cannot_make_specials():
     """A template that trims, slices, upper-cases, splits, joins and JSON-encodes request text: only its own
     literals (the join separator included) are special."""
-    custom = Tokenizer({bytes([b]): b for b in range(256)}, {"added_tokens_decoder": {
+    custom = TiktokenTokenizer({bytes([b]): b for b in range(256)}, {"added_tokens_decoder": {
         str(256 + i): {"content": name} for i, name in enumerate(["<|im_end|>", "<|im_user|>", "<|im_middle|>",
                                                                   "<|im_assistant|>"])},
         "chat_template": FILTER_TEMPLATE})

@@ -40,7 +40,7 @@ def _edit_config(path, fn):
 def test_layout_of_a_k31_checkpoint(make_checkpoint):
     path = make_checkpoint("k31-tiny")
     assert {p.name for p in path.iterdir()} == {"config.json", "model.safetensors", "tiktoken.model",
-                                                "tokenizer_config.json"}
+                                                "tokenizer_config.json", "tokenizer.json"}
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == "kimi_k3" and cfg["text_config"]["model_type"] == "kimi_linear"
     text = cfg["text_config"]
@@ -72,7 +72,7 @@ def test_make_model_is_seeded_and_reproducible(tmp_path):
     a = write_checkpoint(get_preset("kimi-linear-tiny"), tmp_path / "a", seed=5)
     b = write_checkpoint(get_preset("kimi-linear-tiny"), tmp_path / "b", seed=5)
     c = write_checkpoint(get_preset("kimi-linear-tiny"), tmp_path / "c", seed=6)
-    for name in ("model.safetensors", "tiktoken.model", "config.json"):
+    for name in ("model.safetensors", "tiktoken.model", "tokenizer.json", "config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
 

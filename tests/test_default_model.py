@@ -41,7 +41,7 @@ def val_ids(model_dir):
 
 def test_shipped_files(model_dir):
     assert model_dir.is_relative_to(Path(deltaserve.__file__).resolve().parent)
-    for name in ("config.json", "model.safetensors", "tiktoken.model", "tokenizer_config.json"):
+    for name in ("config.json", "model.safetensors", "tiktoken.model", "tokenizer_config.json", "tokenizer.json"):
         assert (model_dir / name).is_file(), name
     size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     assert size < 50 * 2**20, size

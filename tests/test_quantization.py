@@ -116,7 +116,8 @@ def test_quantize_cli_checkpoint_loads_without_flags(make_checkpoint, tmp_path, 
     assert ("mxfp4-pack-quantized" in formats) == (scheme != "w8a8-mxfp8")
     assert all(g["input_activations"]["dynamic"] and g["input_activations"]["group_size"] == 32
                for g in formats.values())
-    assert (out / "tiktoken.model").is_file() and (out / "tokenizer_config.json").is_file()
+    for name in ("tiktoken.model", "tokenizer_config.json", "tokenizer.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
 
     stored = deltaserve.load_model(out)
     on_load = deltaserve.load_model(src, quantization=scheme)

@@ -71,6 +71,7 @@ def test_export_loads_through_normal_path(tokens, tmp_path):
         ref = model.reference_logits(ids)
     assert torch.allclose(loaded.reference_logits(ids), ref, atol=1e-4, rtol=1e-4)
     assert json.loads((out / "config.json").read_text())["text_config"]["dsa_config"]["index_topk"] == 16
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
 
 
 def test_bpe_trainer_export_round_trips(tmp_path):

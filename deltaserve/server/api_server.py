@@ -24,6 +24,7 @@ from .limits import QueueFullError, SequenceLease
 from .openapi_doc import openapi_document
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
                        TokenizeRequest, error_body, validation_error_body)
+from .tokenizer_info import TokenizerInfoResponse, tokenizer_info
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,10 @@ def build_app(state: ServerState) -> FastAPI:
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", "BadRequestError", "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+    async def get_tokenizer_info():
+        return tokenizer_info(state.tokenizer)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):

@@ -1,6 +1,7 @@
 """`deltaserve make-model`: write a seeded, randomly initialised checkpoint in the family's real file layout
-(config.json, safetensors with the real tensor names, tiktoken.model, tokenizer_config.json), or, with `--meta`,
-build the model on the meta device and print its parameter and memory accounting."""
+(config.json, safetensors with the real tensor names, tiktoken.model, tokenizer_config.json, and the equivalent
+tokenizer.json for Hugging Face tools), or, with `--meta`, build the model on the meta device and print its parameter
+and memory accounting."""
 
 from __future__ import annotations
 

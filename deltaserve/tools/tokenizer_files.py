@@ -1,4 +1,5 @@
-"""Write real-layout Kimi tokenizer files (``tiktoken.model`` + ``tokenizer_config.json``) for small test models.
+"""Write real-layout Kimi tokenizer files (``tiktoken.model`` + ``tokenizer_config.json``) for small test models,
+with the equivalent Hugging Face ``tokenizer.json`` beside them (``tokenizer_json.py``).
 
 Layout matches the checkpoints (docs/chat.md §1.1–1.3): ranks 0..255 are the single bytes in byte order, then merges
 learned by a deterministic byte-level BPE trainer, then 256 special ids at the real offsets (real id - 163584).
@@ -24,6 +25,7 @@ from pathlib import Path
 import regex
 
 from deltaserve.tokenizer import KIMI_PAT_STR
+from deltaserve.tools.tokenizer_json import write_tokenizer_json
 
 FAMILIES = ("kimi_k3", "kimi_linear", "deepseek")
 
@@ -273,7 +275,8 @@ def tokenizer_config(family: str, num_bpe_ranks: int, model_max_length: int = 13
         "eos_token": "<|end_of_msg|>" if family == "kimi_k3" else "<|im_end|>",
         "model_max_length": model_max_length,
         "pad_token": "[PAD]",
-        "tokenizer_class": "TikTokenTokenizer",
+        # The fast class reads tokenizer.json; the name is the one transformers 4 and 5 both resolve.
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": "[UNK]",
     }
     if family != "kimi_k3":  # K3's renderer is code, not Jinja (docs/chat.md §2)
@@ -284,7 +287,8 @@ def tokenizer_config(family: str, num_bpe_ranks: int, model_max_length: int = 13
 def write_tokenizer_files(
     out_dir: str | Path, family: str, num_bpe_ranks: int, seed: int = 0, corpus: str | None = None
 ) -> int:
-    """Write ``tiktoken.model`` and ``tokenizer_config.json`` into ``out_dir``; return the number of BPE ranks.
+    """Write ``tiktoken.model``, ``tokenizer_config.json`` and ``tokenizer.json`` into ``out_dir``; return the number
+    of BPE ranks.
 
     Deterministic: the same arguments give byte-identical files. ``seed`` only affects padding ranks, used when
     the corpus yields fewer merges than requested. Special ids are ``num_bpe_ranks + offset``; the rest of the
@@ -299,4 +303,5 @@ def write_tokenizer_files(
     (out / "tokenizer_config.json").write_text(
         json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8", newline="\n"
     )
+    write_tokenizer_json(out)
     return len(ranks)

@@ -4,10 +4,11 @@ write it in the real checkpoint layout. Used once to produce the shipped default
     python -m deltaserve.tools.train --out deltaserve/data/default_model --work /tmp/k31-train
 
 Steps: (1) corpus (deltaserve.tools.corpus), (2) byte-level BPE trained with `tokenizers`, exported as
-``tiktoken.model`` + ``tokenizer_config.json`` (kimi_k3 specials), (3) AdamW + cosine LR on random windows of the
-token stream, deterministic given ``--seed``; ``--work`` holds ``state.safetensors`` (model, optimiser, RNG, step) written
-every ``--ckpt-every`` steps, and the run resumes from it. Every checkpoint also exports the model folder through
-the normal writer (``make_model.checkpoint_tensors``), so an interrupted run still leaves usable weights.
+``tiktoken.model`` + ``tokenizer_config.json`` (kimi_k3 specials) and the equivalent ``tokenizer.json``, (3) AdamW +
+cosine LR on random windows of the token stream, deterministic given ``--seed``; ``--work`` holds
+``state.safetensors`` (model, optimiser, RNG, step) written every ``--ckpt-every`` steps, and the run resumes from it.
+Every checkpoint also exports the model folder through the normal writer (``make_model.checkpoint_tensors``), so an
+interrupted run still leaves usable weights.
 """
 
 from __future__ import annotations
@@ -28,25 +29,14 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..layers.batch import StepBatch
+from ..tokenizer.base import CHAR_TO_BYTE
 from .make_model import _save_sharded, build_random, checkpoint_tensors
 from .presets import get_preset
 from .tokenizer_files import _bpe_parts, tokenizer_config
+from .tokenizer_json import write_tokenizer_json
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer
-
-
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-level alphabet used by `tokenizers`' ByteLevel pre-tokenizer."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def train_bpe_ranks(docs: list[str], num_bpe_ranks: int) -> dict[bytes, int]:
@@ -69,11 +59,10 @@ def train_bpe_ranks(docs: list[str], num_bpe_ranks: int) -> dict[bytes, int]:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
     tok.train_from_iterator(docs, trainer)
     merges = json.loads(tok.to_str())["model"]["merges"]
-    dec = _byte_decoder()
     ranks = {bytes([b]): b for b in range(256)}
     for m in merges:
         a, b = m if isinstance(m, list) else m.split(" ", 1)
-        merged = bytes(dec[c] for c in a + b)
+        merged = bytes(CHAR_TO_BYTE[c] for c in a + b)
         if merged in ranks or _bpe_parts(merged, ranks) != 2:
             continue
         ranks[merged] = len(ranks)
@@ -139,7 +128,8 @@ def evaluate(model: torch.nn.Module, ids: list[int] | torch.Tensor, seq_len: int
 
 def export_model(model: torch.nn.Module, config: ModelConfig, raw_config: dict, tokenizer_dir: Path, out: Path,
                  dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
-    """Write the model folder (config.json, model.safetensors, tokenizer files) through the normal writer.
+    """Write the model folder (config.json, model.safetensors, the tokenizer files of ``tokenizer_dir`` and the
+    tokenizer.json made from them) through the normal writer.
     Written beside ``out`` and swapped in, so a crash never leaves a half-written folder."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -151,6 +141,7 @@ def export_model(model: torch.nn.Module, config: ModelConfig, raw_config: dict, 
     _save_sharded(checkpoint_tensors(model, config, dtype), tmp, 2 << 30)
     for name in ("tiktoken.model", "tokenizer_config.json"):
         shutil.copyfile(tokenizer_dir / name, tmp / name)
+    write_tokenizer_json(tmp)
     if extra:
         (tmp / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
     (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
