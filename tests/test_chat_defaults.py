@@ -10,7 +10,7 @@ import openai
 
 from deltaserve.chat import thinks_by_default
 from deltaserve.models.loader import load_config
-from deltaserve.tokenizer import Tokenizer, load_tokenizer, read_tiktoken_model
+from deltaserve.tokenizer import TiktokenTokenizer, load_tokenizer, read_tiktoken_model
 from server_utils import run_server
 
 
@@ -22,7 +22,7 @@ def test_thinks_by_default_follows_the_format(make_checkpoint):
     path = make_checkpoint("kimi-linear-tiny")
     config = json.loads((path / "tokenizer_config.json").read_text())
     config["chat_template"] = load_tokenizer(path).chat_template + "{%- if add_generation_prompt -%}<think>{%- endif -%}"
-    assert thinks_by_default(Tokenizer(read_tiktoken_model(path / "tiktoken.model"), config), load_config(path))
+    assert thinks_by_default(TiktokenTokenizer(read_tiktoken_model(path / "tiktoken.model"), config), load_config(path))
 
 
 def test_instruct_chat_answers_in_content(make_checkpoint):

@@ -80,7 +80,7 @@ def test_served_tokenizer_json_checkpoint_generates_as_tiktoken(http, checkpoint
     for text in PROMPTS + STRINGS[:20]:
         r = http.post("/tokenize", json={"prompt": text})
         assert r.status_code == 200, r.text
-        assert r.json()["tokens"] == tok.encode(text)
+        assert r.json()["tokens"] == tok.encode(text, allow_special=True)
     want = reference.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
     for prompt, ref in zip(PROMPTS, want):
         r = http.post("/v1/completions", json={"prompt": prompt, **GREEDY})
@@ -124,12 +124,12 @@ def test_tokenizer_info_as_lm_eval_reads_it(http, checkpoints):
     assert test.status_code == 200 and isinstance(test.json()["tokens"], list)
     for text in STRINGS[:40]:
         ids = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
-        assert ids == tok.encode(text)
+        assert ids == tok.encode(text, allow_special=True)
         assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": text}
-    # RemoteTokenizer.eos_token_id is encode(eos_token)[0]: deltaserve's /tokenize keeps special spellings as text,
-    # as /v1/completions does, so that is the first text token (docs/serving.md §10 says what to pass instead).
+    # RemoteTokenizer.eos_token_id is encode(eos_token)[0]: /tokenize encodes special spellings as their ids, as
+    # /v1/completions and a Hugging Face tokenizer do
     eos_ids = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
-    assert eos_ids == tok.encode("<|im_end|>") and tok.eos_token_id not in eos_ids
+    assert eos_ids == [tok.eos_token_id]
 
 
 def test_tokenizer_info_fields(make_checkpoint, tmp_path):

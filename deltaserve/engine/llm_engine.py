@@ -46,7 +46,8 @@ class LLMEngine:
         Requests with different `cache_salt` never share prefix-cache pages. The scheduler shares the engine
         fairly between `client` keys (default: each request its own)."""
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        # special spellings become their ids, as the server's completions and a Hugging Face tokenizer encode them
+        ids = self.tokenizer.encode(prompt, allow_special=True) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.core.add_request(request_id, ids, params, cache_salt, client)
         self.processor.add(request_id, prompt if isinstance(prompt, str) else None, ids, params)
 

@@ -106,8 +106,10 @@ class ServerState:
         return ids, thinking and not req.continue_final_message
 
     def encode_prompt(self, text: str) -> list[int]:
-        """A completion's text prompt -> ids (special spellings stay text), shared with /tokenize."""
-        return self.tokenizer.encode(text)
+        """A completion's text prompt -> ids, shared with /tokenize. Special spellings become their ids, as a Hugging
+        Face tokenizer (and so vLLM, lm-eval, guidellm) encodes them: the caller writes the whole prompt and could send
+        the ids anyway. Chat content never does (chat/template.py)."""
+        return self.tokenizer.encode(text, allow_special=True)
 
     def prompt_ids_for_tokenize(self, req: TokenizeRequest) -> list[int]:
         if req.messages is not None:
