@@ -174,6 +174,14 @@ class FunctionTool(_Strict):
     parameters: JsonSchema | None = None
     strict: StrictBool | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _not_chat_shaped(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "function" in data:
+            raise _unsupported("a Responses tool is flat ({\"type\": \"function\", \"name\", \"parameters\", ...}); "
+                               "the nested {\"function\": {...}} form belongs to chat completions")
+        return data
+
 
 class FunctionChoice(_Strict):
     type: Literal["function"]
