@@ -1,4 +1,4 @@
-"""POST /v1/responses: OpenAI's Responses API on the chat path (docs/serving.md §10.1).
+"""POST /v1/responses: OpenAI's Responses API on the chat path (docs/serving.md §10, "The Responses API").
 
 The request (responses_protocol.py) is rendered as the equivalent chat, generated with the chat path's admission,
 limits and engine stream, and its output ids are split by the same output parser into reasoning, content and tool

@@ -1,5 +1,5 @@
 """The request of POST /v1/responses (OpenAI's Responses API) and its translation into the chat path's terms
-(docs/serving.md §10.1).
+(docs/serving.md §10, "The Responses API").
 
 The request is validated as strictly as the other endpoints (the body is walked for values the engine cannot carry
 first, types are strict, every request that parses builds a valid `SamplingParams`) and, unlike them, refuses
@@ -23,9 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, \
-    field_validator, model_validator
-
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
@@ -82,6 +81,7 @@ class OutputText(_Strict):
 
 TextPart = Annotated[Union[Annotated[InputText, Tag("[input_text]")], Annotated[OutputText, Tag("[output_text]")]],
                      _tagged("input_text", "output_text", note=" (images, files and audio are not supported)")]
+MessageContent = _text_or(list[TextPart])
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -94,7 +94,7 @@ class MessageItem(_Strict):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: _text_or(list[TextPart])
+    content: MessageContent
     id: StrictStr | None = None
     status: ItemStatus | None = None
     phase: Literal["commentary", "final_answer"] | None = None
@@ -138,10 +138,13 @@ class FunctionCallItem(_Strict):
     status: ItemStatus | None = None
 
 
+CallOutput = _text_or(list[InputText])
+
+
 class FunctionCallOutputItem(_Strict):
     type: Literal["function_call_output"]
     call_id: StrictStr
-    output: _text_or(list[InputText])
+    output: CallOutput
     name: StrictStr | None = None
     id: StrictStr | None = None
     status: ItemStatus | None = None
@@ -213,7 +216,8 @@ class JsonSchemaTextFormat(_Strict):
     strict: StrictBool | None = None
 
 
-TextFormat = Annotated[Union[Annotated[PlainTextFormat, Tag("[text]")], Annotated[JsonObjectFormat, Tag("[json_object]")],
+TextFormat = Annotated[Union[Annotated[PlainTextFormat, Tag("[text]")],
+                             Annotated[JsonObjectFormat, Tag("[json_object]")],
                              Annotated[JsonSchemaTextFormat, Tag("[json_schema]")]],
                        _tagged("text", "json_object", "json_schema")]
 
@@ -351,6 +355,18 @@ class ResponsesRequest(RequestBody):
         return ChatPrompt(messages, tools, choice, response_format, effort)
 
 
+def _opens_turn(turn: dict | None, item: Any) -> bool:
+    """Whether an assistant-side item starts a new assistant message: a model writes a turn as reasoning, then
+    text, then calls, so an item that cannot follow what the current turn holds begins the next turn."""
+    if turn is None:
+        return True
+    if isinstance(item, ReasoningItem):
+        return bool(turn.get("reasoning_content") or turn["content"] or turn.get("tool_calls"))
+    if isinstance(item, MessageItem):
+        return bool(turn["content"] or turn.get("tool_calls"))
+    return False
+
+
 def input_messages(items: str | list) -> list[dict]:
     """`input` as chat messages (module docstring). Raises a request error naming the item that cannot be
     translated: an item reference, or a function_call_output whose call is not in the input."""
@@ -375,15 +391,7 @@ def input_messages(items: str | list) -> list[dict]:
             messages.append({"role": item.role, "content": _joined(item.content)})
             turn = None
             continue
-        # An assistant-side item joins the current turn unless the model could not have written it there: a turn
-        # is reasoning, then text, then calls.
-        if isinstance(item, ReasoningItem):
-            starts_turn = turn is None or bool(turn.get("reasoning_content") or turn["content"] or turn.get("tool_calls"))
-        elif isinstance(item, MessageItem):
-            starts_turn = turn is None or bool(turn["content"] or turn.get("tool_calls"))
-        else:
-            starts_turn = turn is None
-        if starts_turn:
+        if _opens_turn(turn, item):
             turn = {"role": "assistant", "content": ""}
             messages.append(turn)
         if isinstance(item, ReasoningItem):
