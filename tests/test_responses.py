@@ -8,6 +8,8 @@ Servers (module-scoped):
   input gets a 400 naming the field, and a failure after the stream started ends it with an `error` event;
 * `tool_server`: a K3.1 tiny model that has memorised (tests/memorize.py) a weather tool call for one conversation
   and an answer once the tool's result is in, so the whole tool loop runs through a real server.
+Offline, the two pieces the servers rely on: how input items group into chat messages, and how parser deltas become
+output items and events.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ import pytest
 from deltaserve import load_tokenizer
 from deltaserve.chat import render_chat
 from deltaserve.config import ModelConfig
+from deltaserve.server.output_base import Delta, ToolCallDelta
+from deltaserve.server.responses import OutputItems
+from deltaserve.server.responses_protocol import ResponsesRequest
 
 from memorize import memorize
-from server_utils import assert_all_free, run_server
+from server_utils import assert_all_free, integrity, metric, run_server
 
 MODEL = "tiny-responses"
 KEY = "sk-responses"
@@ -268,7 +273,8 @@ def test_failure_after_the_stream_started_is_an_error_event(server, client):
     assert events[-1].code == "InternalServerError" and "sample" in events[-1].message
     with pytest.raises(openai.InternalServerError):
         client.responses.create(**kw)
-    assert client.responses.create(model=MODEL, input="Hello", max_output_tokens=2).usage.output_tokens == 2
+    assert client.responses.create(model=MODEL, input="Hello", max_output_tokens=2,
+                                   temperature=0).usage.output_tokens == 2
     assert_all_free(server)
 
 
@@ -365,3 +371,74 @@ def test_function_call_item_and_the_tool_loop(tool_client):
                {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}, result]
     again = tool_client.responses.create(model=MODEL, input=QUESTION + by_hand, tools=TOOLS, temperature=0)
     assert again.output_text == ANSWER and again.usage.input_tokens == second.usage.input_tokens
+
+
+def test_disconnect_frees_the_request(server):
+    """A client that leaves a long response, streamed after its first events or non-streamed before the end, aborts
+    it: its pages and slot come back, and it generated far fewer tokens than it was allowed."""
+    body = {"model": MODEL, "input": "Count to a thousand.", "max_output_tokens": 1500, "temperature": 0}
+    generated = metric(server, "deltaserve:generation_tokens_total")
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, headers=server.headers,
+                      timeout=60) as r:
+        data = (json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: "))
+        types = [next(data)["type"] for _ in range(6)]
+        assert integrity(server)["free_slots"] < integrity(server)["total_slots"]
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert_all_free(server, timeout=5)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/responses", json=body, headers=server.headers, timeout=1.0)
+    assert_all_free(server, timeout=5)
+    assert metric(server, "deltaserve:generation_tokens_total") - generated < 1500
+
+
+# ------------------------------------------------------------------------------------- offline: the pieces
+def test_assistant_side_items_group_into_turns():
+    """Reasoning, text and calls join one assistant message in the order a model writes them; an item that cannot
+    follow what the turn holds starts the next assistant message; other items end the turn."""
+    def r(text):
+        return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+    def a(text):
+        return {"role": "assistant", "content": text}
+
+    def call(i):
+        return {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+
+    def tc(i):
+        return {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+    items = [{"role": "user", "content": "q"}, r("r1"), a("t1"), call(1), call(2),
+             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "o2"}]},
+             {"type": "function_call_output", "call_id": "c1", "output": "o1", "name": "f"},
+             a("t2"), a("t3"), r("r4"), r("r5"), call(3)]
+    got = ResponsesRequest.model_validate({"input": items, "instructions": "sys"}).chat_prompt().messages
+    assert got == [{"role": "system", "content": "sys"}, {"role": "user", "content": "q"},
+                   {"role": "assistant", "content": "t1", "reasoning_content": "r1", "tool_calls": [tc(1), tc(2)]},
+                   {"role": "tool", "tool_call_id": "c2", "content": "o2"},
+                   {"role": "tool", "tool_call_id": "c1", "content": "o1", "name": "f"},
+                   {"role": "assistant", "content": "t2"}, {"role": "assistant", "content": "t3"},
+                   {"role": "assistant", "content": "", "reasoning_content": "r4"},
+                   {"role": "assistant", "content": "", "reasoning_content": "r5", "tool_calls": [tc(3)]}]
+
+
+def test_output_items_follow_the_deltas():
+    """Items open and close as the kind of delta changes (reasoning again after text is a new item), calls are
+    whole items, an item still open when the output is cut is incomplete, and every event carries its item."""
+    items = OutputItems()
+    deltas = [Delta(reasoning_content="th"), Delta(reasoning_content="ink"), Delta(content="Hel"),
+              Delta(content="lo"), Delta(tool_calls=[ToolCallDelta(0, "functions.f:0", "f", '{"a":1}')]),
+              Delta(tool_calls=[ToolCallDelta(1, "functions.g:1", "g", "{}")]), Delta(reasoning_content="more"),
+              Delta(content="")]
+    events = [e for d in deltas for e in items.feed(d)] + items.finish(cut=True)
+    shapes = [(i["type"], i["status"], i.get("arguments", [p["text"] for p in i.get("content", [])]))
+              for i in items.items]
+    assert shapes == [("reasoning", "completed", ["think"]), ("message", "completed", ["Hello"]),
+                      ("function_call", "completed", '{"a":1}'), ("function_call", "completed", "{}"),
+                      ("reasoning", "incomplete", ["more"])]
+    assert [i["call_id"] for i in items.items[2:4]] == ["functions.f:0", "functions.g:1"]
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == [0, 1, 2, 3, 4] and done == items.items
+    deltas_text = [e["delta"] for e in events if e["type"].endswith("_text.delta")]
+    assert deltas_text == ["th", "ink", "Hel", "lo", "more"]
+    assert OutputItems().finish(cut=True) == []
