@@ -34,7 +34,7 @@ JSON = {"content-type": "application/json"}
 
 LONE = "\ud800"  # a lone surrogate: valid JSON ("\ud800"), not encodable as UTF-8
 BIG = 2 ** 64  # one past what msgpack carries
-P, C, T, D = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+P, C, T, D, R = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/responses"
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
@@ -50,6 +50,10 @@ def comp(**fields) -> bytes:
 
 def chat(**fields) -> bytes:
     return body(**{"model": MODEL, "messages": USER, "max_tokens": 2, **fields})
+
+
+def resp(**fields) -> bytes:
+    return body(**{"model": MODEL, "input": "hi", "max_output_tokens": 2, **fields})
 
 
 # (id, method, path, raw body or None, extra headers, expected status, expected param)
@@ -296,9 +300,47 @@ def _route_and_auth_cases() -> list[Case]:
     return cases
 
 
+def _responses_cases() -> list[Case]:
+    """/v1/responses: the same walk of the body and the same limits, its own field names in `param`."""
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    ftool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    return [
+        _post("resp-lone-input", R, resp(input=LONE), "input"),
+        _post("resp-lone-instructions", R, resp(instructions=LONE), "instructions"),
+        _post("resp-lone-part-text", R, resp(input=[{"role": "user", "content": [
+            {"type": "input_text", "text": LONE}]}]), "input.0.content.0.text"),
+        _post("resp-lone-call-arguments", R, resp(input=[{**call, "arguments": LONE}]), "input.0.arguments"),
+        _post("resp-lone-call-output", R, resp(input=[call, {"type": "function_call_output", "call_id": "c1",
+                                                             "output": LONE}]), "input.1.output"),
+        _post("resp-lone-tool-name", R, resp(tools=[{**ftool, "name": LONE}]), "tools.0.name"),
+        _post("resp-lone-metadata-value", R, resp(metadata={"k": LONE}), "metadata.k"),
+        _post("resp-lone-user", R, resp(user=LONE), "user"),
+        _post("resp-nan-temperature", R, b'{"input":"a","max_output_tokens":2,"temperature":NaN}', "temperature"),
+        _post("resp-seed-beyond-64-bits", R, resp(seed=BIG), "seed"),
+        _post("resp-max-output-tokens-big", R, resp(max_output_tokens=BIG), "max_output_tokens"),
+        _post("resp-max-output-tokens-string", R, resp(max_output_tokens="2"), "max_output_tokens"),
+        _post("resp-input-number", R, resp(input=5), "input"),
+        _post("resp-item-type-unknown", R, resp(input=[{"type": "computer_call_output", "call_id": "c"}]),
+              "input.0"),
+        _post("resp-tool-schema", R, resp(tools=[{**ftool, "parameters": {"type": "nope"}}]), "tools.0.parameters"),
+        _post("resp-text-format-schema", R, resp(text={"format": {"type": "json_schema", "name": "r",
+                                                                  "schema": {"properties": 7}}}),
+              "text.format.schema"),
+        _post("resp-unknown-field", R, resp(stop=["x"]), "stop"),
+        _post("resp-store", R, resp(store=True), "store"),
+        _post("resp-previous-response", R, resp(previous_response_id="resp_1"), "previous_response_id"),
+        _post("resp-prompt-fills-context", R, resp(input="a " * MAX_MODEL_LEN), "input"),
+        _post("resp-tokens-beyond-context", R, resp(max_output_tokens=MAX_MODEL_LEN), "max_output_tokens"),
+        _post("resp-too-large", R, resp(input="x" * MAX_BYTES), None, 413),
+        ("resp-get", "GET", R, None, {}, 405, None),
+        ("resp-unknown-model", "POST", R, resp(model="gpt-99"), JSON, 404, "model"),
+        ("resp-no-key", "POST", R, resp(), {**JSON, "Authorization": ""}, 401, None),
+    ]
+
+
 def hostile_cases() -> list[Case]:
     return (_surrogate_cases() + _encoding_cases() + _type_and_range_cases() + _arithmetic_cases()
-            + _schema_cases() + _limit_cases() + _route_and_auth_cases())
+            + _schema_cases() + _limit_cases() + _route_and_auth_cases() + _responses_cases())
 
 
 # ------------------------------------------------------------------------------------------------------ fixtures
@@ -355,7 +397,7 @@ def test_case_table_is_broad():
     names = [c[0] for c in cases]
     assert len(cases) >= 150 and len(set(names)) == len(names)
     paths = {c[2] for c in cases}
-    for path in (P, C, T, D, "/v1/models", "/version", "/metrics", "/debug/integrity", "/health"):
+    for path in (P, C, T, D, R, "/v1/models", "/version", "/metrics", "/debug/integrity", "/health"):
         assert path in paths, path
 
 

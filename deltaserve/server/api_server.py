@@ -22,6 +22,8 @@ from .handlers import ServerState, chat_completion, completion
 from .leased_response import leased
 from .limits import QueueFullError, SequenceLease
 from .openapi_doc import openapi_document
+from .responses import create_response
+from .responses_protocol import ResponsesRequest
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
                        TokenizeRequest, error_body, validation_error_body)
 from .tokenizer_info import TokenizerInfoResponse, tokenizer_info
@@ -111,18 +113,19 @@ def build_app(state: ServerState) -> FastAPI:
     async def on_failed(_request: Request, exc: RequestFailedError):
         return _error(500, str(exc), "InternalServerError")
 
-    def admit(req: CompletionRequest | ChatCompletionRequest, num_prompts: int, prompt_param: str) -> SequenceLease:
+    def admit(model: str | None, n: int, num_prompts: int, prompt_param: str,
+              stop_token_ids: list[int] | None = None) -> SequenceLease:
         """Check what can be checked before tokenising, then reserve the request's sequences in the queue."""
-        if req.model is not None and req.model not in state.served_names:
-            raise APIError(404, f"the model {req.model!r} does not exist", "NotFoundError", "model")
+        if model is not None and model not in state.served_names:
+            raise APIError(404, f"the model {model!r} does not exist", "NotFoundError", "model")
         if not state.engine.healthy:
             raise APIError(503, "the engine is not running", "ServiceUnavailableError")
-        state.limits.check_shape(req.n, num_prompts, prompt_param)
-        for i, token in enumerate(req.stop_token_ids or ()):
+        state.limits.check_shape(n, num_prompts, prompt_param)
+        for i, token in enumerate(stop_token_ids or ()):
             if token >= state.engine.vocab_size:
                 raise InvalidRequestError(f"stop_token_ids.{i}", f"token id {token} is outside the vocabulary "
                                                                  f"[0, {state.engine.vocab_size})")
-        return state.queue.take(req.n * num_prompts, "n" if req.n > 1 else prompt_param)
+        return state.queue.take(n * num_prompts, "n" if n > 1 else prompt_param)
 
     @app.get("/health", response_class=Response, responses={200: {"description": "The engine is running (no body)"}})
     async def health():
@@ -176,13 +179,18 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        lease = admit(req, len(req.prompts()), "prompt")
+        lease = admit(req.model, req.n, len(req.prompts()), "prompt", req.stop_token_ids)
         return await leased(lease, completion(state, req, raw, f"cmpl-{uuid.uuid4().hex}"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        lease = admit(req, 1, "messages")
+        lease = admit(req.model, req.n, 1, "messages", req.stop_token_ids)
         return await leased(lease, chat_completion(state, req, raw, f"chatcmpl-{uuid.uuid4().hex}"))
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        lease = admit(req.model, 1, 1, "input")
+        return await leased(lease, create_response(state, req, raw, f"resp_{uuid.uuid4().hex}"))
 
     return app
 

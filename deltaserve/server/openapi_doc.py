@@ -23,7 +23,7 @@ _ERRORS = {
     "413": "The request body is larger than --max-request-bytes",
     "503": "The engine is not running, or the queue is full (then with Retry-After)",
 }
-_GENERATION = {"/v1/completions", "/v1/chat/completions"}
+_GENERATION = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 
 
 def _error_statuses(path: str, method: str, api_key: bool) -> list[str]:
