@@ -65,10 +65,11 @@ CONVERSATIONS = [
                    {"role": "assistant", "content": "A model.", "reasoning_content": "Be brief."},
                    {"role": "user", "content": "Name three colours."}]}),
     ("tools-format-effort",
-     {"input": QUESTION, "tools": TOOLS, "tool_choice": "required", "reasoning": {"effort": "low"},
+     {"input": QUESTION, "tools": TOOLS, "tool_choice": "auto", "reasoning": {"effort": "low"},
       "text": {"format": {"type": "json_schema", "name": "colour", "schema": SCHEMA}}},
-     {"messages": QUESTION, "tools": CHAT_TOOLS, "tool_choice": "required", "reasoning_effort": "low",
+     {"messages": QUESTION, "tools": CHAT_TOOLS, "tool_choice": "auto", "reasoning_effort": "low",
       "response_format": {"type": "json_schema", "json_schema": {"name": "colour", "schema": SCHEMA}}}),
+
 ]
 
 

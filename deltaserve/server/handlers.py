@@ -59,15 +59,15 @@ class ServerState:
         except InvalidRequestError as exc:
             raise InvalidRequestError(param, str(exc).replace("structured_outputs", param, 1)) from None
 
-    def chat_constraint(self, req: ChatCompletionRequest, thinking: bool) -> StructuredOutputsParams | None:
-        """The whole-output constraint of a chat request: its response_format / structured_outputs on the content, or
-        its forced tool calls, inside the model's output format (server/constraints.py); checked."""
-        body, param = req.constraint()
-        forced = forcing(req.tool_dicts(), req.tool_choice_value(), req.parallel_tool_calls is not False)
+    def chat_constraint(self, chat: ChatPromptOptions, body: StructuredOutputsParams | None, param: str,
+                        parallel_tool_calls: bool, thinking: bool) -> StructuredOutputsParams | None:
+        """The whole-output constraint of a chat: `body` (from the request field `param`) on the content, or the calls
+        its tool_choice forces, inside the model's output format (server/constraints.py); checked."""
+        forced = forcing(chat.tool_dicts(), chat.tool_choice_value(), parallel_tool_calls)
         if body is None and forced is None:
             return None
         if body is not None and forced is not None:
-            raise InvalidRequestError("tool_choice", f"tool_choice {req.tool_choice_value()!r} forces tool calls, so "
+            raise InvalidRequestError("tool_choice", f"tool_choice {chat.tool_choice_value()!r} forces tool calls, so "
                                                      f"{param} cannot also constrain the content; send one of them")
         param = param or "tool_choice"
         spec = chat_output_grammar(self.config, self.tokenizer, thinking, body, forced, param)
@@ -143,7 +143,7 @@ def fairness_key(user: str | None, rid: str) -> str:
     return f"user:{user}" if user is not None else f"request:{rid}"
 
 
-async def _tracked(state: ServerState, request_id: str, prompt: str | None, ids: list[int],
+async def tracked(state: ServerState, request_id: str, prompt: str | None, ids: list[int],
                    params: SamplingParams, cache_salt: str | None, client: str) -> AsyncIterator[RequestOutput]:
     """Engine outputs with latency metrics recorded along the way. Closing it closes the engine stream at once
     (which aborts the request in the core), not whenever the garbage collector finalises it."""
@@ -172,7 +172,7 @@ async def _tracked(state: ServerState, request_id: str, prompt: str | None, ids:
                                 len(ids), final.num_cached_tokens, sum(len(c.token_ids) for c in final.outputs))
 
 
-async def _collect(stream: AsyncIterator[RequestOutput], raw: Request) -> RequestOutput:
+async def collect(stream: AsyncIterator[RequestOutput], raw: Request) -> RequestOutput:
     """The final output of a non-streamed request; a client that disconnects meanwhile aborts it.
 
     The disconnect is awaited on `raw.receive()`: `Request.is_disconnected()` never reports one behind a
@@ -303,12 +303,12 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
     created = int(time.time())
     n = params.n
     client = fairness_key(req.user, rid)
-    streams = [_tracked(state, f"{rid}-{i}", text, ids, params, req.cache_salt, client)
+    streams = [tracked(state, f"{rid}-{i}", text, ids, params, req.cache_salt, client)
                for i, (text, ids) in enumerate(inputs)]
     echo_lps = req.echo and req.logprobs is not None  # the echoed prompt carries its own logprobs
 
     if not req.stream:
-        collecting = [asyncio.ensure_future(_collect(s, raw)) for s in streams]
+        collecting = [asyncio.ensure_future(collect(s, raw)) for s in streams]
         try:
             finals = await asyncio.gather(*collecting)
         finally:  # one prompt failed (or the client left): the others stop too rather than run unread
@@ -361,7 +361,7 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
                     done += 1
                     continue
                 if isinstance(item, BaseException):
-                    yield _sse(_stream_error(item))
+                    yield _sse(stream_error(item))
                     continue
                 if i not in started:  # the prompt's first output: its echo and prompt logprobs are known now
                     started.add(i)
@@ -413,7 +413,7 @@ def _first_chunks(tok: Tokenizer, req: CompletionRequest, prompt: tuple[str, lis
     return chunks
 
 
-def _stream_error(exc: BaseException) -> dict:
+def stream_error(exc: BaseException) -> dict:
     if isinstance(exc, InvalidRequestError):
         return error_body(str(exc), "BadRequestError", exc.field, 400)
     if isinstance(exc, EngineDeadError):
@@ -439,7 +439,8 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
     ids = state.truncate(ids, req.truncate_prompt_tokens)
     state.check_prompt(ids, "messages")
     params = req.to_sampling_params(default_max_tokens=None)
-    params.structured_outputs = state.chat_constraint(req, thinking)
+    params.structured_outputs = state.chat_constraint(req, *req.constraint(), req.parallel_tool_calls is not False,
+                                                      thinking)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     state.check_room(ids, params, max_param)
     state.limits.check_tokens([len(ids)], params.n, params.max_tokens, state.engine.max_model_len, max_param)
@@ -447,11 +448,11 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
         state.limits.check_prompt_logprobs([len(ids)], "prompt_logprobs")
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
-    stream = _tracked(state, rid, None, ids, params, req.cache_salt, fairness_key(req.user, rid))
+    stream = tracked(state, rid, None, ids, params, req.cache_salt, fairness_key(req.user, rid))
     parser = parser_for(state.config, state.tokenizer)
 
     if not req.stream:
-        out = await _collect(stream, raw)
+        out = await collect(stream, raw)
         choices, completion_tokens, reasoning_tokens = [], 0, 0
         for c in out.outputs:
             parsed = parser.parse(c.token_ids, thinking)
@@ -523,7 +524,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
                             "choices": [], "usage": _usage(len(ids), completion_tokens, final.num_cached_tokens)})
             yield "data: [DONE]\n\n"
         except (InvalidRequestError, EngineDeadError, RequestFailedError) as e:
-            yield _sse(_stream_error(e))
+            yield _sse(stream_error(e))
             yield "data: [DONE]\n\n"
         finally:
             await stream.aclose()

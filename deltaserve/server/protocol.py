@@ -269,13 +269,23 @@ def _check_messages(messages: list[dict] | None, add_generation_prompt: bool,
                             "chat_template_kwargs.thinking and enable_thinking (its alias) disagree")
 
 
+def response_format_constraint(rf: ResponseFormat | None, param: str) -> tuple[StructuredOutputsParams | None, str]:
+    """The output constraint of a `response_format` given as the request field `param`, and the field a compile
+    error names (its schema's, for json_schema); (None, "") for none or plain text."""
+    if rf is None or rf.type == "text":
+        return None, ""
+    if rf.type == "json_object":
+        return StructuredOutputsParams(json_object=True), param
+    return StructuredOutputsParams(json=rf.json_schema.schema_), f"{param}.json_schema.schema"
+
+
 def _check_response_format(rf: ResponseFormat | None) -> None:
     if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
         raise request_error("response_format.json_schema", "response_format of type json_schema requires "
                             "json_schema.schema")
 
 
-def _check_chat_options(tools: list[ChatTool] | None, tool_choice: Any, response_format: ResponseFormat | None) -> None:
+def check_chat_options(tools: list[ChatTool] | None, tool_choice: Any, response_format: ResponseFormat | None) -> None:
     if tool_choice not in (None, "none") and not tools:
         name = tool_choice if isinstance(tool_choice, str) else "a named function"
         raise request_error("tool_choice", f"tool_choice {name!r} requires tools to be set")
@@ -371,11 +381,8 @@ class _SamplingRequest(RequestBody):
         """The request's output constraint and the field it came from (None, "" without one); at most one of
         response_format (json_object / json_schema), structured_outputs and the guided_* fields may ask."""
         found = []
-        rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            found.append((StructuredOutputsParams(json_object=True), "response_format"))
-        elif rf is not None and rf.type == "json_schema":
-            found.append((StructuredOutputsParams(json=rf.json_schema.schema_), "response_format.json_schema.schema"))
+        if self.response_format is not None and self.response_format.type != "text":
+            found.append(response_format_constraint(self.response_format, "response_format"))
         if self.structured_outputs is not None:
             found.append((self.structured_outputs.params(), "structured_outputs"))
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -543,7 +550,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatPromptOptions):
         if self.prompt_logprobs is not None and self.stream:
             raise request_error("prompt_logprobs", "prompt_logprobs is returned by non-streamed chat completions "
                                                    "only; send stream: false or use /v1/completions")
-        _check_chat_options(self.tools, self.tool_choice, self.response_format)
+        check_chat_options(self.tools, self.tool_choice, self.response_format)
         _check_messages(self.messages, self.add_generation_prompt, self.continue_final_message,
                         self.chat_template_kwargs)
 
@@ -586,7 +593,7 @@ class TokenizeRequest(RequestBody, ChatPromptOptions):
             raise request_error("prompt", "either prompt or messages is required")
         if self.prompt is not None and self.messages is not None:
             raise request_error("messages", "give either prompt or messages, not both")
-        _check_chat_options(self.tools, self.tool_choice, self.response_format)
+        check_chat_options(self.tools, self.tool_choice, self.response_format)
         _check_messages(self.messages, self.add_generation_prompt and self.messages is not None,
                         self.continue_final_message, self.chat_template_kwargs)
         return self

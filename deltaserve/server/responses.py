@@ -28,10 +28,10 @@ from ..chat import ChatError
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
 from ..errors import RequestFailedError
 from .engine_client import EngineDeadError
-from .handlers import ServerState, _collect, _stream_error, _tracked, fairness_key
+from .handlers import ServerState, collect, stream_error, tracked, fairness_key
 from .output_base import Delta
 from .parsers import parser_for
-from .protocol import sse_data
+from .protocol import response_format_constraint, sse_data
 from .responses_protocol import ResponsesRequest
 
 
@@ -173,17 +173,21 @@ def _status(completion) -> str:
 
 
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request, rid: str):
+    chat = req.chat_prompt()
     try:
-        ids, thinking = state.render(req.chat_prompt())
+        ids, thinking = state.render(chat)
     except ChatError as exc:  # the conversation cannot be rendered: the fault is in `input`
         raise InvalidRequestError("input", str(exc)) from None
     state.check_prompt(ids, "input")
     params = req.to_sampling_params()
+    params.structured_outputs = state.chat_constraint(
+        chat, *response_format_constraint(chat.response_format, "text.format"), req.parallel_tool_calls is not False,
+        thinking)
     state.check_room(ids, params, "max_output_tokens")
     state.limits.check_tokens([len(ids)], 1, params.max_tokens, state.engine.max_model_len, "max_output_tokens")
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
-    stream = _tracked(state, rid, None, ids, params, None, fairness_key(req.user, rid))
+    stream = tracked(state, rid, None, ids, params, None, fairness_key(req.user, rid))
     parser = parser_for(state.config, state.tokenizer).stream(thinking)
     items = OutputItems()
 
@@ -191,7 +195,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
         return _usage(len(ids), len(final.outputs[0].token_ids), final.num_cached_tokens, parser.reasoning_tokens)
 
     if not req.stream:
-        final = await _collect(stream, raw)
+        final = await collect(stream, raw)
         completion = final.outputs[0]
         for delta in parser.feed(completion.token_ids) + parser.finish():
             items.feed(delta)
@@ -228,7 +232,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
             done = _response(req, params, rid, model, created, status, items.items, usage(final))
             yield emit({"type": f"response.{status}", "response": done})
         except (InvalidRequestError, EngineDeadError, RequestFailedError) as exc:
-            error = _stream_error(exc)["error"]
+            error = stream_error(exc)["error"]
             yield emit({"type": "error", "code": error["type"], "message": error["message"], "param": error["param"]})
         finally:
             await stream.aclose()

@@ -30,7 +30,7 @@ from pydantic_core import PydanticCustomError
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
 from .protocol import (ChatPromptOptions, ChatTool, Float, FunctionDefinition, JsonSchema, JsonSchemaFormat,
                        NamedFunction, NamedToolChoice, ReasoningEffort, RequestBody, ResponseFormat,
-                       _check_chat_options, request_error)
+                       check_chat_options, request_error)
 
 # OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -346,7 +346,7 @@ class ResponsesRequest(RequestBody):
                 name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict))
         elif fmt is not None:
             response_format = ResponseFormat(type=fmt.type)
-        _check_chat_options(tools, choice, response_format)
+        check_chat_options(tools, choice, response_format)
         messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         messages += input_messages(self.input)
         if not messages:
