@@ -321,7 +321,7 @@ def _build(family: str, top: dict, text: dict, names: set[str] | None, shapes: M
         bos_token_id=text.get("bos_token_id", top.get("bos_token_id")),
         eos_token_ids=eos_ids,
         media_placeholder_token_id=top.get("media_placeholder_token_id"),
-        torch_dtype=text.get("torch_dtype") or text.get("dtype") or top.get("torch_dtype"),
+        torch_dtype=text.get("torch_dtype") or text.get("dtype") or top.get("torch_dtype") or top.get("dtype"),
         quantization_config=text.get("quantization_config"),
         raw=dict(top),
     )

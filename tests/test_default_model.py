@@ -93,7 +93,7 @@ def greedy(model, tok, prompt: str, max_tokens: int) -> str:
 
 
 def test_readme_fibonacci_completion(model_dir):
-    """README shows the greedy completion of `def fibonacci(n):` as produced by `deltaserve generate`."""
+    """README shows the greedy completion of `def fibonacci(n):` as `deltaserve generate --dtype float32` makes it."""
     model = deltaserve.load_model(model_dir, dtype="float32")
     tok = deltaserve.load_tokenizer(model_dir)
     text = README.read_text(encoding="utf-8")

@@ -14,6 +14,11 @@ from .faults import FaultInjector
 QUANTIZATIONS = ("w8a8-mxfp8", "w4a8-mxfp4", "mxfp")  # the schemes of layers/quantized.py
 BACKENDS = ("auto", "torch", "native")  # execution backends (backends/)
 CACHE_8BIT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # 8-bit cache value types (docs/ops.md §9)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # --dtype; "auto" follows the checkpoint (resolve_dtype)
+# Spellings of a dtype in a checkpoint's config.json (`torch_dtype` / `dtype`) or in `dtype=` -> its canonical name.
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
+                "bfloat16": "bfloat16", "bf16": "bfloat16",
+                "float16": "float16", "fp16": "float16", "half": "float16"}
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -29,10 +34,42 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+@dataclass(frozen=True)
+class ResolvedDtype:
+    """The dtype the weights and activations are served in (`name`: "float32" or "bfloat16") and where it came
+    from, in words, for the log and the start-up banner (`reason`)."""
+
+    name: str
+    reason: str
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None) -> ResolvedDtype:
+    """The one place `dtype` is decided. An explicit float32 / bfloat16 (or fp32 / bf16) is taken as it is.
+    "auto" takes the checkpoint's `torch_dtype` (`dtype` in newer configs): bfloat16 and float32 as they are; a
+    float16 checkpoint is served in bfloat16, since the CPU kernels have no float16 forms (bfloat16 keeps float16's
+    range and loses 3 bits of mantissa); a checkpoint that names no dtype is served in float32. Raises ConfigError for
+    a dtype that cannot be served (float16 asked explicitly, or anything unknown)."""
+    if requested != "auto":
+        name = _DTYPE_NAMES.get(str(requested).lower())
+        if name not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {requested!r}")
+        return ResolvedDtype(name, "set explicitly")
+    if checkpoint_dtype is None:
+        return ResolvedDtype("float32", "auto: the checkpoint names no dtype")
+    stored = _DTYPE_NAMES.get(str(checkpoint_dtype).lower().removeprefix("torch."))
+    if stored == "float16":
+        return ResolvedDtype("bfloat16", f"auto: the checkpoint's torch_dtype is {checkpoint_dtype}, served in bfloat16 "
+                                         f"on the CPU")
+    if stored is None:
+        raise ConfigError(f"dtype 'auto': the checkpoint's dtype {checkpoint_dtype!r} cannot be served; pass dtype "
+                          f"float32 or bfloat16")
+    return ResolvedDtype(stored, f"auto: the checkpoint's torch_dtype is {checkpoint_dtype}")
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None  # checkpoint folder; None = the embedded default model
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto" (the checkpoint's, see resolve_dtype), "float32" or "bfloat16"
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -76,6 +113,8 @@ class EngineArgs:
             raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         if self.backend == "native" and self.ops == "reference":
             raise ConfigError("ops 'reference' runs on the torch backend; it cannot run with backend 'native'")
+        if self.dtype != "auto":
+            resolve_dtype(self.dtype, None)  # an unknown name fails here, not in the engine process
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)

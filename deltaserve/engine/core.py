@@ -8,6 +8,7 @@ in-process for the offline LLM and in its own process behind the server.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,9 @@ from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
 from ..errors import ConfigError, DeltaserveError
 from ..backends.select import select_backend
-from ..models.loader import DTYPES, load_model
+from ..models.loader import DTYPES, load_config, load_model
 from ..tokenizer import load_tokenizer
-from .config import EngineArgs
+from .config import EngineArgs, resolve_dtype
 from .faults import FaultInjector, InjectedFault, RequestFailure, RequestFault, describe
 from .grammar import Grammars
 from .heap import keep_freed_memory
@@ -32,6 +33,7 @@ from .sampler import SampleOutput, Sampler, SamplingState, TokenLogprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler, StepPlan
 from .step_timer import StepTimer
+from .summary import EngineSummary, layer_mix, quantization_text, weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +60,19 @@ class CoreOutput:
 
 class EngineCore:
     def __init__(self, args: EngineArgs, model_path: Path):
-        self.args = args
+        self.args, self.model_path = args, model_path
         keep_freed_memory()  # activations stop being faulted in afresh every step (engine/heap.py)
-        self.model = load_model(model_path, dtype=args.dtype, quantization=args.quantization)
+        self.dtype = resolve_dtype(args.dtype, load_config(model_path).torch_dtype)
+        log.info("loading the weights of %s in %s (%s)", model_path, self.dtype.name, self.dtype.reason)
+        started = time.monotonic()
+        self.model = load_model(model_path, dtype=self.dtype.name, quantization=args.quantization)
+        self.weight_bytes = weight_bytes(self.model)
+        log.info("loaded %.1f MB of weights in %.1f s", self.weight_bytes / 1e6, time.monotonic() - started)
         self.backend = select_backend(args.backend, args.ops)
-        log.info("backend %s (%s): %s", self.backend.name, self.backend.reason, self.backend.prepare(self.model))
+        self.backend_prepared = self.backend.prepare(self.model)
+        log.info("backend %s (%s): %s", self.backend.name, self.backend.reason, self.backend_prepared)
         config = self.config = self.model.config
-        self.pages, self.states, self.checkpoints = _size_pools(config, args, DTYPES[args.dtype])
+        self.pages, self.states, self.checkpoints = _size_pools(config, args, DTYPES[self.dtype.name])
         self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)
         self.prefix = (PrefixCache(self.pages, self.states, self.checkpoints, args.state_checkpoint_interval,
                                    str(model_path.resolve())) if self.checkpoints is not None else None)
@@ -382,6 +390,26 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def summary(self) -> EngineSummary:
+        """What was loaded and how the pools were sized (the server's start-up banner)."""
+        args, config = self.args, self.config
+        latent, keys = args.latent_cache_8bit(), args.index_cache_8bit() if config.has_dsa else None
+        page_bytes = PagePool.bytes_per_token(config, DTYPES[self.dtype.name], latent, keys) * args.block_size
+        return EngineSummary(
+            model_path=str(self.model_path), family=config.family,
+            architecture=config.architectures[0] if config.architectures else "", layers=layer_mix(config),
+            dtype=self.dtype.name, dtype_reason=self.dtype.reason, backend=self.backend.name,
+            backend_reason=self.backend.reason, backend_prepared=self.backend_prepared, ops=self.backend.ops.name,
+            quantization=quantization_text(self.model, config, args.quantization),
+            kv_cache_dtype=args.kv_cache_dtype if latent is not None else self.dtype.name,
+            weight_bytes=self.weight_bytes, kv_cache_memory=args.kv_cache_memory_bytes,
+            num_pages=self.pages.num_blocks, block_size=args.block_size, page_bytes=page_bytes,
+            num_state_slots=self.states.num_slots,
+            num_checkpoints=self.checkpoints.num_slots if self.checkpoints is not None else 0,
+            state_slot_bytes=StateSlots.bytes_per_slot(config), max_model_len=self.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            prefix_caching=self.prefix is not None)
 
 
 def _resolve_max_model_len(args: EngineArgs, config, pool_tokens: int) -> int:

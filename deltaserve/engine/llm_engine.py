@@ -31,6 +31,7 @@ class LLMEngine:
     states = property(lambda self: self.core.states)
     prefix = property(lambda self: self.core.prefix)
     max_model_len = property(lambda self: self.core.max_model_len)
+    dtype = property(lambda self: self.core.dtype.name)  # as resolved from `args.dtype` (engine/config.py)
 
     @property
     def eos_ids(self) -> set[int]:

@@ -74,13 +74,13 @@ def run_throughput(args: argparse.Namespace) -> str:
         runs = [_throughput_run(engine, random_prompts(vocab, n, args.input_len, args.seed + 1000 * n + r),
                                 args.output_len, f"n{n}-run{r}") for r in range(args.runs)]
         points.append({"num_prompts": n, "runs": runs, "summary": summarize_runs(runs)})
-    config = {"model": str(engine.model_path), "dtype": args.dtype, "input_len": args.input_len,
+    config = {"model": str(engine.model_path), "dtype": engine.dtype, "input_len": args.input_len,
               "output_len": args.output_len, "runs": args.runs, "ops": args.ops}
     payload = {"bench": "throughput", "config": config, "machine": machine_info(), "points": points}
     metrics = ["output_tokens_per_s", "decode_tokens_per_s", "prompt_tokens_per_s", "requests_per_s", "mean_ttft_s"]
     rows = [[p["num_prompts"], m, p["summary"][m]["median"], p["summary"][m]["min"], p["summary"][m]["max"]]
             for p in points for m in metrics]
-    table = (f"throughput  model={engine.model_path} dtype={args.dtype} threads={torch.get_num_threads()} "
+    table = (f"throughput  model={engine.model_path} dtype={engine.dtype} threads={torch.get_num_threads()} "
              f"input_len={args.input_len} output_len={args.output_len} runs={args.runs}\n"
              + format_table(["prompts", "metric", "median", "min", "max"], rows))
 
@@ -133,7 +133,7 @@ def run_shared_prefix(args: argparse.Namespace) -> str:
                               + random_prompts(vocab, args.num_requests, args.question_len, args.seed + 1))
         results[caching] = _shared_prefix_run(engine, system, questions, "on" if caching else "off")
     speedup = results[False]["later_mean_ttft_s"] / results[True]["later_mean_ttft_s"]
-    config = {"model": args.model, "dtype": args.dtype, "prefix_len": args.prefix_len,
+    config = {"model": args.model, "dtype": engine.dtype, "prefix_len": args.prefix_len,
               "question_len": args.question_len, "num_requests": args.num_requests}
     payload = {"bench": "shared-prefix", "config": config, "machine": machine_info(), "caching_on": results[True],
                "caching_off": results[False], "later_ttft_speedup": speedup}

@@ -108,7 +108,7 @@ def run_backends(args: argparse.Namespace) -> str:
     native_scores = [score(native, p, c) for p, c in zip(prompts, native_tokens)]
     native_score_wall = time.perf_counter() - t0
     backends = {"native": native.core.backend.describe()}
-    model_path = str(native.model_path)
+    model_path, dtype = str(native.model_path), native.dtype
     del native
 
     torch_engine = _engine(args, "torch")
@@ -148,7 +148,7 @@ def run_backends(args: argparse.Namespace) -> str:
         "native_generate_s": native_wall, "torch_generate_s": torch_wall,
         "native_score_s": native_score_wall, "torch_score_s": torch_score_wall,
     }
-    config = {"model": model_path, "dtype": args.dtype, "num_prompts": args.num_prompts,
+    config = {"model": model_path, "dtype": dtype, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
               "threads": torch.get_num_threads()}
     payload = {"bench": "backends", "config": config, "machine": machine_info(), "backends": backends,
@@ -167,7 +167,7 @@ def run_backends(args: argparse.Namespace) -> str:
         ["wall time native (generate / score, s)", f"{native_wall:.4g} / {native_score_wall:.4g}"],
         ["wall time torch (generate / score, s)", f"{torch_wall:.4g} / {torch_score_wall:.4g}"],
     ]
-    table = (f"backends  model={model_path} dtype={args.dtype} threads={torch.get_num_threads()} "
+    table = (f"backends  model={model_path} dtype={dtype} threads={torch.get_num_threads()} "
              f"prompts={args.num_prompts} input_len={args.input_len} output_len={args.output_len} seed={args.seed}\n"
              + "\n".join(f"{name}: {b['reason']} (ops {b['ops']})" for name, b in backends.items()) + "\n"
              + format_table(["figure", "value"], rows))

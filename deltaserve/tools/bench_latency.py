@@ -44,7 +44,7 @@ def run_latency(args: argparse.Namespace) -> str:
         run, steps = latency_run(engine, prompts, args.output_len, f"run{r}")
         runs.append(run)
     summary = summarize_runs(runs)
-    config = {"model": str(engine.model_path), "dtype": args.dtype, "batch_size": args.batch_size,
+    config = {"model": str(engine.model_path), "dtype": engine.dtype, "batch_size": args.batch_size,
               "input_len": args.input_len, "output_len": args.output_len, "runs": args.runs, "ops": args.ops}
     payload = {"bench": "latency", "config": config, "machine": machine_info(), "runs": runs, "summary": summary,
                "decode_steps_s": steps}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..cache.page_pool import PagePool
 from ..cache.state_slots import StateSlots
-from ..engine.config import EngineArgs
+from ..engine.config import EngineArgs, resolve_dtype
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
 from ..models.loader import DTYPES, load_config
@@ -81,7 +81,8 @@ def run_long_context(args: argparse.Namespace) -> str:
     src = Path(args.model) if args.model else default_model_path()
     need = max(args.contexts) + args.output_len
     config = load_config(src)
-    per_token = PagePool.bytes_per_token(config, DTYPES[args.dtype])  # model-dtype pages: 8-bit ones are smaller
+    dtype = resolve_dtype(args.dtype, config.torch_dtype).name
+    per_token = PagePool.bytes_per_token(config, DTYPES[dtype])  # model-dtype pages: 8-bit ones are smaller
     slot = StateSlots.bytes_per_slot(config)
     eargs = argparse.Namespace(**vars(args))
     eargs.max_num_seqs, eargs.enable_prefix_caching, eargs.max_model_len = 1, False, need
@@ -103,7 +104,7 @@ def run_long_context(args: argparse.Namespace) -> str:
             points.append({"context": L, "runs": runs, "summary": summarize_runs(runs), "pages": pages,
                            "latent_cache_bytes": pages * latent_page, "index_cache_bytes": pages * index_page,
                            "kda_state_bytes": slot})
-    cfg = {"model": str(src), "dtype": args.dtype, "output_len": args.output_len, "runs": args.runs,
+    cfg = {"model": str(src), "dtype": dtype, "output_len": args.output_len, "runs": args.runs,
            "ops": args.ops, "index_cache_dtype": args.index_cache_dtype,
            "dsa_index_topk": config.index_topk if config.has_dsa else None}
     payload = {"bench": "long-context", "config": cfg, "machine": machine_info(), "points": points}

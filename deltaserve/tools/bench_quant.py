@@ -22,21 +22,13 @@ import torch
 
 from ..engine.config import QUANTIZATIONS, EngineArgs
 from ..engine.llm_engine import LLMEngine
+from ..engine.summary import weight_bytes
 from .bench import drive, random_prompts
 from .bench_latency import latency_run
 from .bench_report import emit, format_table, machine_info, new_figure, save_figure
 from .corpus import VALIDATION_PATH
 
 CACHE_DTYPES = ("int8", "fp8")
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
 
 
 def variants() -> list[tuple[str, str | None, str]]:
@@ -88,6 +80,7 @@ def run_quant(args: argparse.Namespace) -> str:
         engine_args = EngineArgs.from_cli(args, args.model)
         engine_args.quantization, engine_args.kv_cache_dtype = quantization, kv
         engine = LLMEngine(engine_args)
+        dtype = engine.dtype  # every variant resolves --dtype alike
         config, pages = engine.config, engine.core.pages
         cache_bytes = pages.bytes_per_token(config, pages.dtype, pages.latent_8bit, pages.keys_8bit)
         prompts = quality_prompts(engine, args.num_quality_prompts, args.input_len)
@@ -109,7 +102,7 @@ def run_quant(args: argparse.Namespace) -> str:
         del engine
     headers = ["variant", "weight MB", "cache B/token", *[f"tok/s b{b}" for b in args.batch_sizes],
                "greedy agree", "KL"]
-    payload = {"bench": "quant", "machine": machine_info(), "model": args.model, "dtype": args.dtype,
+    payload = {"bench": "quant", "machine": machine_info(), "model": args.model, "dtype": dtype,
                "results": results}
 
     def plot(path: str) -> None:

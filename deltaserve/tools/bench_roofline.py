@@ -104,7 +104,7 @@ def run_roofline(args: argparse.Namespace) -> str:
                      "decode_tokens_per_s": run["decode_tokens_per_s"], "ceiling_tokens_per_s": ceiling,
                      "fraction_of_ceiling": run["decode_tokens_per_s"] / ceiling})
     summary = summarize_runs(runs)
-    config = {"model": str(engine.model_path), "dtype": args.dtype, "batch_size": args.batch_size,
+    config = {"model": str(engine.model_path), "dtype": engine.dtype, "batch_size": args.batch_size,
               "input_len": args.input_len, "output_len": args.output_len, "runs": args.runs,
               "triad_mb": args.triad_mb, "matmul_size": args.matmul_size, "ops": args.ops}
     payload = {"bench": "roofline", "config": config, "machine": machine_info(), "runs": runs, "summary": summary,
@@ -120,7 +120,7 @@ def run_roofline(args: argparse.Namespace) -> str:
         xs = [2 ** (i / 4) for i in range(-24, 48)]  # arithmetic intensity, flop/byte
         ax.plot(xs, [min(peak, bw * x) / 1e9 for x in xs], label="roof (triad, best float matmul)")
         # decode does one multiply-add per weight element touched per token: 2 flops per element per token
-        itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+        itemsize = torch.empty((), dtype=DTYPES[engine.dtype]).element_size()
         flops_per_token = 2 * weight_bytes_touched(engine.model, 1) / itemsize
         intensity = args.batch_size * flops_per_token / bytes_per_step
         achieved = flops_per_token * summary["decode_tokens_per_s"]["median"] / 1e9
