@@ -18,14 +18,31 @@ Sources:
 Usage gauges (`kv_cache_usage_perc`, `state_slots_usage_perc`) are fractions in [0, 1] as in vLLM, despite the name.
 `num_requests_waiting` carries the label `reason`: `stats["num_waiting_by_reason"]` ({reason: n}) when the engine
 breaks waiting requests down, else `stats["num_waiting"]` under reason "capacity".
+
+`compat="vllm"` (--metrics-compat vllm) also exposes the series of VLLM_SERIES under vLLM's names: a `RenamedSeries`
+collector reads the deltaserve metrics at each scrape and yields their samples renamed, with vLLM's labels, so the two
+names of a series always read the same and nothing is defined or counted twice.
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.metrics_core import Metric
 
 PREFIX = "deltaserve:"
+VLLM_PREFIX = "vllm:"
+
+# deltaserve series (name after the prefix) that mean what vLLM's series of the same name means (vLLM 0.11+; docs/
+# serving.md §11), with the labels summed away to match vLLM's (it has no `reason` on num_requests_waiting). The
+# rest (state slots, KDA checkpoints, engine restarts, series not fed yet) has no vLLM twin.
+VLLM_SERIES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": (), "num_requests_waiting": ("reason",), "kv_cache_usage_perc": (),
+    "num_preemptions": (), "prompt_tokens": (), "prompt_tokens_cached": (), "generation_tokens": (),
+    "request_success": (), "prefix_cache_queries": (), "prefix_cache_hits": (),
+    "time_to_first_token_seconds": (), "inter_token_latency_seconds": (), "e2e_request_latency_seconds": (),
+}
+COMPAT = {"vllm": VLLM_PREFIX}
 
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -58,21 +75,51 @@ GAUGES = {
 }
 
 
-class Metrics:
-    """The server's metrics; `render()` gives the Prometheus text exposition."""
+class RenamedSeries:
+    """A collector that shows other metrics' current samples under another prefix: `sources` maps each metric to
+    the labels summed away (gauges only, where a sum is the total), and `labels` are added to every sample."""
 
-    def __init__(self, cache_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, sources: Mapping[Any, tuple[str, ...]], prefix: str, labels: Mapping[str, str]) -> None:
+        self.sources, self.prefix, self.labels = sources, prefix, dict(labels)
+
+    def rename(self, name: str) -> str:
+        return self.prefix + name.removeprefix(PREFIX)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric, dropped in self.sources.items():
+            for family in metric.collect():
+                out = Metric(self.rename(family.name), family.documentation, family.type, family.unit)
+                values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+                for sample in family.samples:
+                    labels = {**self.labels, **{k: v for k, v in sample.labels.items() if k not in dropped}}
+                    key = (self.rename(sample.name), tuple(labels.items()))
+                    values[key] = values.get(key, 0.0) + sample.value
+                for (name, labels), value in values.items():
+                    out.add_sample(name, dict(labels), value)
+                yield out
+
+
+class Metrics:
+    """The server's metrics; `render()` gives the Prometheus text exposition. `compat` ("vllm" or None) adds the
+    same series under another server's names, labelled with `model_name` (the first served name)."""
+
+    def __init__(self, cache_config: Mapping[str, Any] | None = None, compat: str | None = None,
+                 model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
+        by_name: dict[str, Any] = {}  # name after the prefix -> metric, for the compat series
 
         def gauge(name, doc, labels=()):
-            return Gauge(PREFIX + name, doc, list(labels), registry=reg)
+            by_name[name] = Gauge(PREFIX + name, doc, list(labels), registry=reg)
+            return by_name[name]
 
         def counter(name, doc, labels=()):
-            return Counter(PREFIX + name, doc, list(labels), registry=reg)
+            by_name[name] = Counter(PREFIX + name, doc, list(labels), registry=reg)
+            return by_name[name]
 
         def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, buckets=buckets, registry=reg)
+            by_name[name] = Histogram(PREFIX + name, doc, buckets=buckets, registry=reg)
+            return by_name[name]
 
         self.gauges = {
             "num_requests_running": gauge("num_requests_running", "Requests being computed (prefill or decode)."),
@@ -115,6 +162,12 @@ class Metrics:
         self._waiting_reasons: set[str] = set()
         self._ineffective_reasons: set[str] = set()
         self.set_cache_config(**(cache_config or {}))
+        if compat is not None:
+            if compat not in COMPAT:
+                raise ValueError(f"metrics compat must be one of {sorted(COMPAT)}, got {compat!r}")
+            # vLLM labels every series with the served model and the engine index (one engine here: 0).
+            reg.register(RenamedSeries({by_name[n]: dropped for n, dropped in VLLM_SERIES.items()}, COMPAT[compat],
+                                       {"model_name": model_name, "engine": "0"}))
 
     # -----------------------------------------------------------------------------------------------------------------
 
