@@ -10,6 +10,27 @@ from pathlib import Path
 from . import envs
 from .engine.config import QUANTIZATIONS, EngineArgs
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help appends each flag's default, except for on/off switches and flags defaulting to None, whose help says
+    in words what happens without them (a bare "default: None" or "default: False" tells nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class CliParser(argparse.ArgumentParser):
+    """The parser of `deltaserve` and, through add_subparsers (which builds subparsers of the parent's class), of
+    every subcommand under it: all show their defaults in --help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
 
 def _make_model(args: argparse.Namespace) -> int:
     from .config import ModelConfig
@@ -64,19 +85,22 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="deltaserve")
+def build_parser() -> CliParser:
+    """`deltaserve` and its subcommands."""
+    parser = CliParser(prog="deltaserve")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from .tools.presets import PRESETS
+
     mm = sub.add_parser("make-model", help="write a random checkpoint of a preset in the real file layout")
-    mm.add_argument("--preset", required=True)
-    mm.add_argument("out", nargs="?")
-    mm.add_argument("--seed", type=int, default=0)
-    mm.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    mm.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model shape")
+    mm.add_argument("out", nargs="?", help="folder to write (required unless --meta)")
+    mm.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    mm.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                    help="dtype of the stored weights (default: the preset's, bfloat16)")
     mm.add_argument("--meta", action="store_true", help="build on the meta device and print the accounting")
     mm.add_argument("--mxfp4-experts", action="store_true", help="routed experts in mxfp4-pack-quantized layout")
-    mm.add_argument("--shard-size-mb", type=float, default=2048.0)
+    mm.add_argument("--shard-size-mb", type=float, default=2048.0, help="largest safetensors shard, in MiB")
     mm.set_defaults(func=_make_model)
 
     qz = sub.add_parser("quantize", help="write a checkpoint with MX-quantised layers (compressed-tensors layout)")
@@ -87,14 +111,15 @@ def main(argv: list[str] | None = None) -> int:
                          "mxfp: both")
     qz.set_defaults(func=_quantize)
 
-    gen = sub.add_parser("generate", help="greedy continuation of a prompt")
+    gen = sub.add_parser("generate", help="continuation of a prompt, streamed (greedy unless --temperature)")
     gen.add_argument("model", nargs="?", help="checkpoint folder (default: the embedded default model)")
-    gen.add_argument("--prompt", default="The quick brown fox")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--prompt", default="The quick brown fox", help="text to continue")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="seed of this request's sampling (default: from --seed's shared generator)")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
 
@@ -107,8 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     from .tools.bench_cli import add_bench_parsers
 
     add_bench_parsers(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=envs.log_level(), format=LOG_FORMAT)
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -131,38 +131,53 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """The engine flags. Each help text either gets its default appended by --help (cli.py's formatter) or, for
+        switches and flags whose default is worked out at load, says it in words."""
         d = EngineArgs()
-        parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
-        parser.add_argument("--max-model-len", type=int, default=None)
-        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-        parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-        parser.add_argument("--block-size", type=int, default=d.block_size)
+        parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype,
+                            help="weights and activations: 'auto' takes the checkpoint's torch_dtype (bfloat16 stays "
+                                 "bfloat16, float32 stays float32, float16 becomes bfloat16; none named: float32)")
+        parser.add_argument("--max-model-len", type=int, default=None,
+                            help="context length (default: the checkpoint's max_position_embeddings, lowered to what "
+                                 "the page pool holds)")
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                            help="tokens computed per engine step")
+        parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per page")
         parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
-                            help="bytes for the page pool and KDA state slots, e.g. 4GiB")
-        parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+                            help="bytes for the page pool, the KDA state slots and the prefix-cache checkpoints, "
+                                 "e.g. 4GiB")
+        parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                            help="a prompt that does not fit the step's token budget waits instead of being split "
+                                 "(default: split)")
         parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
-                            default=True, help="share cached pages and KDA state checkpoints (default on)")
-        parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+                            default=True, help="share cached pages and KDA state checkpoints (default: on)")
+        parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                            help="turn prefix caching off")
         parser.add_argument("--state-checkpoint-interval", type=int, default=None,
-                            help="tokens between KDA state checkpoints (a multiple of --block-size; default one block)")
+                            help="tokens between KDA state checkpoints (a multiple of --block-size; default: one "
+                                 "block)")
         parser.add_argument("--max-state-checkpoints", type=int, default=None,
-                            help="KDA state checkpoints kept for the prefix cache (default from memory)")
+                            help="KDA state checkpoints kept for the prefix cache (default: from --kv-cache-memory, "
+                                 "at most 4 per sequence)")
         parser.add_argument("--ops", choices=["fast", "reference"], default=d.ops,
                             help="op implementations; 'reference' switches every op to its readable twin")
         parser.add_argument("--kv-cache-dtype", choices=["auto", *CACHE_8BIT], default=d.kv_cache_dtype,
                             help="C8 cache: MLA latent in 8 bits with a scale per 128 values (k_pe kept in the model "
-                                 "dtype) and indexer keys in 8 bits with a scale per token")
+                                 "dtype) and indexer keys in 8 bits with a scale per token; 'auto': the model dtype")
         parser.add_argument("--index-cache-dtype", choices=["auto", "model", *CACHE_8BIT], default=d.index_cache_dtype,
-                            help="DSA indexer key cache alone: 8 bits after a Hadamard rotation, or the model dtype "
-                                 "(default: as --kv-cache-dtype)")
+                            help="DSA indexer key cache alone: 8 bits after a Hadamard rotation, or the model dtype; "
+                                 "'auto': as --kv-cache-dtype")
         parser.add_argument("--backend", choices=BACKENDS, default=d.backend,
                             help="how the model runs: 'native' (the CPU kernels built at first use with the system C "
                                  "compiler), 'torch' (the modules), or 'auto' (native where the kernels suit this CPU; "
                                  "the log and /version say which and why)")
         parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                             help="quantise at load: w8a8-mxfp8 (attention linears, shared experts, dense MLPs), "
-                                 "w4a8-mxfp4 (routed experts) or mxfp (both); a quantised checkpoint needs none")
-        parser.add_argument("--seed", type=int, default=d.seed)
+                                 "w4a8-mxfp4 (routed experts) or mxfp (both); a quantised checkpoint needs none "
+                                 "(default: none)")
+        parser.add_argument("--seed", type=int, default=d.seed,
+                            help="seeds the generator that requests without a seed draw from")
         parser.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests: engine/faults.py
 
     @classmethod

@@ -38,10 +38,13 @@ def positive_seconds(text: str) -> float:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint folder (default: the embedded default model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on all but /health")
-    parser.add_argument("--served-model-name", action="append", default=None)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--api-key", default=None,
+                        help="required as 'Authorization: Bearer KEY' on all but /health (default: none)")
+    parser.add_argument("--served-model-name", action="append", default=None,
+                        help="a name requests may use for the model, repeatable (default: the MODEL argument, or "
+                             "deltaserve-default)")
     parser.add_argument("--max-queue-len", type=positive_int, default=256,
                         help="sequences (every prompt of a request times n) queued or running before 503")
     parser.add_argument("--max-n", type=positive_int, default=RequestLimits.max_n,

@@ -186,6 +186,6 @@ def run_backends(args: argparse.Namespace) -> str:
 
 def add_backends_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(dtype="bfloat16")
-    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts compared")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (a piece of validation.txt)")
-    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=256, help="tokens compared per prompt")

@@ -42,37 +42,38 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
 
     tp = _engine_parser(bs, "throughput", "offline throughput of the engine", "bench", "run_throughput")
     tp.add_argument("--num-prompts", type=int, nargs="+", default=[8], help="one point per value")
-    tp.add_argument("--input-len", type=int, default=128)
-    tp.add_argument("--output-len", type=int, default=128)
-    tp.add_argument("--runs", type=int, default=3)
+    tp.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    tp.add_argument("--output-len", type=int, default=128, help="generated tokens per prompt")
+    tp.add_argument("--runs", type=int, default=3, help="timed runs of each point")
 
     sp = _engine_parser(bs, "shared-prefix", "TTFT and hit rate with prefix caching on vs off", "bench",
                         "run_shared_prefix")
-    sp.add_argument("--prefix-len", type=int, default=2000)
-    sp.add_argument("--question-len", type=int, default=200)
-    sp.add_argument("--num-requests", type=int, default=32)
+    sp.add_argument("--prefix-len", type=int, default=2000, help="tokens of the shared prefix")
+    sp.add_argument("--question-len", type=int, default=200, help="tokens after the prefix")
+    sp.add_argument("--num-requests", type=int, default=32, help="requests sharing the prefix")
 
     lat = _engine_parser(bs, "latency", "one batch end to end, prefill and decode separately", "bench_latency",
                          "run_latency")
-    lat.add_argument("--batch-size", type=int, default=1)
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", type=int, default=128)
-    lat.add_argument("--runs", type=int, default=3)
+    lat.add_argument("--batch-size", type=int, default=1, help="prompts in the batch")
+    lat.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    lat.add_argument("--output-len", type=int, default=128, help="generated tokens per prompt")
+    lat.add_argument("--runs", type=int, default=3, help="timed runs")
 
     lc = _engine_parser(bs, "long-context", "prefill, decode per token and cache bytes vs context length",
                         "bench_long_context", "run_long_context")
-    lc.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536, 131072])
+    lc.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536, 131072],
+                    help="context lengths measured")
     lc.add_argument("--output-len", type=int, default=16, help="decode steps timed at each context")
-    lc.add_argument("--runs", type=int, default=1)
+    lc.add_argument("--runs", type=int, default=1, help="timed runs of each context")
 
     rl = _engine_parser(bs, "roofline", "machine bandwidth and matmul throughput; decode as a fraction of the "
                                         "bandwidth ceiling", "bench_roofline", "run_roofline")
     rl.add_argument("--triad-mb", type=int, default=256, help="size of each triad array")
-    rl.add_argument("--matmul-size", type=int, default=1024)
-    rl.add_argument("--batch-size", type=int, default=1)
-    rl.add_argument("--input-len", type=int, default=128)
-    rl.add_argument("--output-len", type=int, default=64)
-    rl.add_argument("--runs", type=int, default=3)
+    rl.add_argument("--matmul-size", type=int, default=1024, help="side of the square matmul timed")
+    rl.add_argument("--batch-size", type=int, default=1, help="prompts decoded at once")
+    rl.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    rl.add_argument("--output-len", type=int, default=64, help="generated tokens per prompt")
+    rl.add_argument("--runs", type=int, default=3, help="timed runs")
 
     sv = bs.add_parser("serve", help="load client for any OpenAI-compatible endpoint")
     from .bench_serve import add_serve_args
@@ -103,5 +104,5 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     add_backends_args(bb)
 
     ob = bs.add_parser("ops", help="each fast op vs its reference twin at k31-small shapes")
-    ob.add_argument("--repeats", type=int, default=3)
+    ob.add_argument("--repeats", type=int, default=3, help="timings of each op (the median is shown)")
     ob.set_defaults(func=_ops)

@@ -124,7 +124,8 @@ def run_quant(args: argparse.Namespace) -> str:
 
 
 def add_quant_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--num-quality-prompts", type=int, default=8)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decode batches timed")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=32, help="generated tokens per prompt")
+    parser.add_argument("--num-quality-prompts", type=int, default=8,
+                        help="prompts compared with the unquantised model (agreement, KL)")

@@ -28,9 +28,9 @@ from .bench_workloads import WORKLOADS, Conversation, chat_messages, completion_
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the endpoint's /v1 root")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /models)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--api", choices=["chat", "completions"], default="chat")
-    p.add_argument("--workload", choices=WORKLOADS, default="fixed")
+    p.add_argument("--api-key", default=None, help="sent as a bearer token (default: none)")
+    p.add_argument("--api", choices=["chat", "completions"], default="chat", help="the endpoint driven")
+    p.add_argument("--workload", choices=WORKLOADS, default="fixed", help="what the conversations look like")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per run of each point")
     p.add_argument("--input-len", type=int, default=128, help="words per user turn")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
@@ -40,7 +40,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     sweep.add_argument("--concurrency", type=int, nargs="+", default=None, help="conversations in flight")
     sweep.add_argument("--request-rate", type=float, nargs="+", default=None, help="conversation starts per s")
     p.add_argument("--runs", type=int, default=1, help="runs of each point (fresh workload seed each run)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the first run's workload")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers that reject the field)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")

@@ -38,13 +38,13 @@ _PROMPTS = ("def parse_args(argv):\n", "import os\n\n\ndef walk(path):\n", "clas
 
 def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
-    p.add_argument("--clients", type=int, default=128)
+    p.add_argument("--clients", type=int, default=128, help="clients sending at once")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     p.add_argument("--warmup", type=float, default=60.0, help="seconds before the memory baseline is taken")
     p.add_argument("--kv-cache-memory", default="24MiB", help="small, so that the scheduler must preempt")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="the server's --max-num-seqs")
     p.add_argument("--server-arg", action="append", default=[], help="extra `deltaserve serve` argument (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the clients' choices")
 
 
 def _free_port() -> int:
