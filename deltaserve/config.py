@@ -376,7 +376,7 @@ def _dsa_plan(family: str, text: dict, mla_layers: list[int], names: set[str] | 
     if unknown:
         log.warning("dsa_config: unrecognised keys kept verbatim and ignored: %s",
                     {k: cfg[k] for k in sorted(unknown)})
-    log.info("dsa_config keys matched: %s", used)
+    log.debug("dsa_config keys matched: %s", used)
     if topk is None:
         raise ConfigError("dsa_config: missing required key 'index_topk' (or topk/top_k/index_top_k)")
     if rope not in (None, 0, False):

@@ -5,8 +5,9 @@ from pathlib import Path
 
 
 def log_level() -> str:
-    """DELTASERVE_LOG_LEVEL: the logging level of the CLI, the server and the engine process (default WARNING)."""
-    return os.environ.get("DELTASERVE_LOG_LEVEL", "WARNING").upper()
+    """DELTASERVE_LOG_LEVEL: the logging level of the CLI, the server and the engine process (default INFO: progress
+    while loading, the server's start-up banner and its access log; WARNING keeps only problems)."""
+    return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()
 
 
 def cache_dir() -> Path:

@@ -35,5 +35,5 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     kept = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
-    log.info("malloc keeps freed memory: %s", kept)
+    log.debug("malloc keeps freed memory: %s", kept)
     return kept

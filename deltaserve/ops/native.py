@@ -82,10 +82,10 @@ def native_library() -> ctypes.CDLL | None:
         return None
     isa, target = lib.ds_vector_isa(), FLAGS[1]
     if isa & ISA_AVX512BF16:
-        log.info("native kernels (%s): AVX-512 BF16%s", target, " and AMX-BF16 tiles" if isa & ISA_AMX_BF16 else "")
+        log.debug("native kernels (%s): AVX-512 BF16%s", target, " and AMX-BF16 tiles" if isa & ISA_AMX_BF16 else "")
     else:
-        log.info("native kernels (%s): built without AVX-512 BF16, so their portable forms run, vectorised by the "
-                 "compiler for %s", target, isa_names(isa) or platform.machine() or "this CPU")
+        log.debug("native kernels (%s): built without AVX-512 BF16, so their portable forms run, vectorised by the "
+                  "compiler for %s", target, isa_names(isa) or platform.machine() or "this CPU")
     return lib
 
 
@@ -137,6 +137,8 @@ def build_library(flags: list[str]) -> ctypes.CDLL | None:
             return None
         os.close(fd)
         sources = [str(f) for f in files if f.suffix == ".c"]
+        log.info("building the native kernels with %s (%s): once per source or compiler change, it can take a "
+                 "minute", cc, " ".join(flags))
         build = subprocess.run([cc, *flags, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
         if build.returncode != 0:
             os.unlink(tmp)

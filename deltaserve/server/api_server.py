@@ -18,7 +18,7 @@ from ..chat import ChatError
 from ..engine.sampling_params import InvalidRequestError
 from ..errors import RequestFailedError
 from .engine_client import EngineDeadError
-from .handlers import ServerState, chat_completion, completion
+from .handlers import ClientDisconnected, ServerState, chat_completion, completion
 from .leased_response import leased
 from .limits import QueueFullError, SequenceLease
 from .openapi_doc import openapi_document
@@ -112,6 +112,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestFailedError)
     async def on_failed(_request: Request, exc: RequestFailedError):
         return _error(500, str(exc), "InternalServerError")
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_gone(_request: Request, _exc: ClientDisconnected):
+        return Response(status_code=499)  # nginx's "client closed request"; there is nobody to read it
 
     def admit(model: str | None, n: int, num_prompts: int, prompt_param: str,
               stop_token_ids: list[int] | None = None) -> SequenceLease:

@@ -38,6 +38,7 @@ from ..engine.faults import FaultInjector
 from ..engine.output_processor import OutputProcessor
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import InvalidRequestError, SamplingParams
+from ..engine.summary import EngineSummary
 from ..errors import DeltaserveError, RequestFailedError
 from ..tokenizer import Tokenizer
 from .engine_proc import run_engine_core
@@ -46,6 +47,7 @@ from .messages import (AbortRequest, AddFailed, AddRequest, Probe, ProbeResult, 
 
 log = logging.getLogger(__name__)
 _WATCH_INTERVAL_S = 0.1
+_STILL_WAITING_S = 30.0  # a start-up that takes longer (a first build of the native kernels) says it is alive
 
 
 class EngineDeadError(DeltaserveError, RuntimeError):
@@ -65,6 +67,7 @@ class EngineClient:
         self.fatal = False  # the core died and may not be restarted again: the API process should exit
         self.num_restarts = 0
         self.stats: dict = {}
+        self.summary: EngineSummary | None = None  # from the core's Ready: what it loaded, for the banner
         self._queues: dict[str, asyncio.Queue] = {}
         self._probes: dict[int, asyncio.Future] = {}
         self._probe_ids = itertools.count()
@@ -102,10 +105,11 @@ class EngineClient:
         self.proc = self._mp.Process(
             target=run_engine_core, args=(fields, str(self.model_path), base + "-in", base + "-out", self.log_level),
             name="deltaserve-engine-core", daemon=True)
+        log.info("starting the engine-core process for %s", self.model_path)
         self.proc.start()
         ready = await self._wait_ready(self.ready_timeout)
         self.max_model_len, self.vocab_size, self.eos_ids = ready.max_model_len, ready.vocab_size, set(ready.eos_ids)
-        self.backend = ready.backend
+        self.backend, self.summary = ready.backend, ready.summary
         self.processor = OutputProcessor(self.tokenizer, self.eos_ids, FaultInjector.parse(self.args.fault_injection))
         self._observe([], ready.stats)
         self._dead = asyncio.Event()
@@ -113,7 +117,8 @@ class EngineClient:
         self.healthy = True
 
     async def _wait_ready(self, timeout: float) -> Ready:
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline, next_note = started + timeout, started + _STILL_WAITING_S
         while time.monotonic() < deadline:
             if not self.proc.is_alive():
                 raise EngineDeadError(f"the engine-core process exited during start-up (code {self.proc.exitcode})")
@@ -121,6 +126,9 @@ class EngineClient:
                 msg = decode(await self._from_core.recv())
                 if isinstance(msg, Ready):
                     return msg
+            if time.monotonic() >= next_note:
+                log.info("still waiting for the engine core to be ready (%.0f s)", time.monotonic() - started)
+                next_note += _STILL_WAITING_S
         self.proc.kill()
         raise EngineDeadError("the engine-core process did not become ready in time")
 

@@ -28,7 +28,7 @@ _IDLE_POLL_MS = 100
 def run_engine_core(args: dict, model_path: str, in_addr: str, out_addr: str, log_level: str = "WARNING") -> None:
     """Process entry point (forked by multiprocessing's fork server). Exits when told to, or when its parent goes
     away (the fork server exits with the API process)."""
-    logging.basicConfig(level=log_level, format="%(levelname)s engine-core: %(message)s")
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when the core stops
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -39,7 +39,7 @@ def run_engine_core(args: dict, model_path: str, in_addr: str, out_addr: str, lo
     try:
         core = EngineCore(EngineArgs(**args), Path(model_path))
         outbox.send(encode(Ready(core.max_model_len, core.config.vocab_size, sorted(core.eos_ids), os.getpid(),
-                                 core.stats(), core.backend.describe())))
+                                 core.summary(), core.stats(), core.backend.describe())))
         _loop(core, inbox, outbox, parent)
     finally:
         inbox.close(linger=0)

@@ -20,6 +20,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from ..errors import RequestFailedError
 from ..tokenizer import Tokenizer
+from .access_log import current_record
 from .engine_client import EngineClient, EngineDeadError
 from .limits import RequestLimits, SequenceQueue
 from .constraints import chat_output_grammar, forcing
@@ -150,6 +151,9 @@ async def tracked(state: ServerState, request_id: str, prompt: str | None, ids: 
     start = last = time.monotonic()
     first = True
     final = None
+    access = current_record()  # this HTTP request's access-log line (server/access_log.py); None when off
+    if access is not None:
+        access.add_engine_request(request_id, len(ids))
     async with aclosing(state.engine.generate(request_id, prompt, ids, params, cache_salt, client)) as outputs:
         try:
             async for out in outputs:
@@ -159,21 +163,33 @@ async def tracked(state: ServerState, request_id: str, prompt: str | None, ids: 
                     first = False
                 else:
                     state.metrics.on_token(now - last)
+                if access is not None:
+                    access.on_output(request_id, out, now)
                 last = now
                 final = out
                 yield out
         except RequestFailedError:  # failed inside the engine: counted as finished with reason "error"
             state.metrics.on_finish("error", time.monotonic() - start, len(ids), 0,
                                     sum(len(c.token_ids) for c in final.outputs) if final is not None else 0)
+            if access is not None:
+                access.finish_engine_request("error")
             raise
     if final is not None:
         reasons = {c.finish_reason for c in final.outputs}
-        state.metrics.on_finish(next(iter(reasons)) if len(reasons) == 1 else "stop", time.monotonic() - start,
-                                len(ids), final.num_cached_tokens, sum(len(c.token_ids) for c in final.outputs))
+        reason = next(iter(reasons)) if len(reasons) == 1 else "stop"
+        state.metrics.on_finish(reason, time.monotonic() - start, len(ids), final.num_cached_tokens,
+                                sum(len(c.token_ids) for c in final.outputs))
+        if access is not None:
+            access.finish_engine_request(reason)
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streamed request went away before its answer (answered with 499, which nobody reads, so
+    the app ends the request normally instead of with an error)."""
 
 
 async def collect(stream: AsyncIterator[RequestOutput], raw: Request) -> RequestOutput:
-    """The final output of a non-streamed request; a client that disconnects meanwhile aborts it.
+    """The final output of a non-streamed request; a client that disconnects meanwhile aborts it (ClientDisconnected).
 
     The disconnect is awaited on `raw.receive()`: `Request.is_disconnected()` never reports one behind a
     BaseHTTPMiddleware (the API key / size guard is one), see starlette discussion #2094."""
@@ -197,7 +213,7 @@ async def collect(stream: AsyncIterator[RequestOutput], raw: Request) -> Request
             task.cancel()
             await asyncio.wait({task})
     if task.cancelled():
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientDisconnected("the client disconnected before the answer")
     return task.result()
 
 
@@ -303,6 +319,8 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
     created = int(time.time())
     n = params.n
     client = fairness_key(req.user, rid)
+    if (access := current_record()) is not None:
+        access.request_id = rid  # its engine requests are named per prompt
     streams = [tracked(state, f"{rid}-{i}", text, ids, params, req.cache_salt, client)
                for i, (text, ids) in enumerate(inputs)]
     echo_lps = req.echo and req.logprobs is not None  # the echoed prompt carries its own logprobs

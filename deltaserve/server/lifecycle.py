@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import uvicorn
 
@@ -22,10 +23,14 @@ DRAIN_GRACE_S = 3.0  # for the error answers of requests failed at the drain dea
 
 
 class DeltaserveServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: EngineClient, drain_s: float):
+    """`on_listening(url)` is called once, when start-up has finished: the engine is ready (the app's lifespan
+    waited for it) and the socket is bound."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, drain_s: float,
+                 on_listening: Callable[[str], None] | None = None):
         config.timeout_graceful_shutdown = drain_s + DRAIN_GRACE_S
         super().__init__(config)
-        self.engine, self.drain_s = engine, drain_s
+        self.engine, self.drain_s, self.on_listening = engine, drain_s, on_listening
         self.exit_code = 0
         engine.on_fatal = self.stop_on_engine_failure
 
@@ -33,7 +38,20 @@ class DeltaserveServer(uvicorn.Server):
         self.exit_code = 1
         self.should_exit = True
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_listening is not None:
+            self.on_listening(self.url())
+
+    def url(self) -> str:
+        """http://HOST:PORT as configured, with the port actually bound (a --port of 0 picks a free one)."""
+        port = self.servers[0].sockets[0].getsockname()[1]
+        host = self.config.host
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
     async def shutdown(self, sockets=None) -> None:
+        log.info("shutting down: %d requests in flight get up to %g s to finish", self.engine.num_in_flight,
+                 self.drain_s)
         deadline = asyncio.get_running_loop().call_later(self.drain_s, self._end_drain)
         try:
             await super().shutdown(sockets)

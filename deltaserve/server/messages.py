@@ -16,6 +16,7 @@ import msgpack
 from ..engine.core import CoreOutput
 from ..engine.sampler import TokenLogprobs
 from ..engine.sampling_params import SamplingParams
+from ..engine.summary import EngineSummary
 
 
 @dataclass
@@ -48,12 +49,20 @@ class Probe:
 
 @dataclass
 class Ready:
+    """The core loaded its model and sized its pools; `summary` is what the start-up banner shows (a map of exactly
+    EngineSummary's fields on the wire, rebuilt into one on decode)."""
+
     max_model_len: int
     vocab_size: int
     eos_ids: list[int]
     pid: int
+    summary: EngineSummary
     stats: dict = field(default_factory=dict)  # the fresh core's stats (all idle)
     backend: dict = field(default_factory=dict)  # the execution backend, why it was chosen, its op set
+
+    def __post_init__(self) -> None:
+        if isinstance(self.summary, dict):
+            self.summary = _build(EngineSummary, self.summary)
 
 
 @dataclass
@@ -100,7 +109,13 @@ def decode(frame: bytes):
     data = msgpack.unpackb(frame, raw=False)
     if not isinstance(data, dict) or data.get("kind") not in MESSAGES:
         raise ValueError("malformed engine message")
-    cls = MESSAGES[data.pop("kind")]
+    return _build(MESSAGES[data.pop("kind")], data)
+
+
+def _build(cls, data: dict):
+    """`cls(**data)` once the names are checked: an unexpected field is a ValueError, a missing one a TypeError."""
+    if not isinstance(data, dict):
+        raise ValueError(f"malformed {cls.__name__}: {type(data).__name__} instead of a map")
     names = {f.name for f in dataclasses.fields(cls)}
     if set(data) - names:
         raise ValueError(f"unexpected fields in {cls.__name__}: {sorted(set(data) - names)}")

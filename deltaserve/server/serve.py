@@ -6,6 +6,7 @@ which the server exits with status 1)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 from pathlib import Path
 
@@ -15,9 +16,12 @@ from .. import envs
 from ..engine.config import EngineArgs
 from .connections import connection_options
 from .limits import RequestLimits
+from .metrics import COMPAT
 
 if TYPE_CHECKING:
     from .handlers import ServerState
+
+log = logging.getLogger(__name__)
 
 
 def positive_int(text: str) -> int:
@@ -70,6 +74,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds an idle keep-alive connection stays open after a response")
     parser.add_argument("--max-connections", type=positive_int, default=1024,
                         help="open connections at most; at the cap the longest-waiting idle one is closed")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="no access-log line per request (default: one line per request, with its status, "
+                             "token counts, TTFT, e2e time and finish reason)")
+    parser.add_argument("--metrics-compat", choices=sorted(COMPAT), default=None,
+                        help="/metrics also exposes the series whose meaning is the same under vLLM's names "
+                             "(vllm:*, label model_name) for dashboards written for vLLM (default: deltaserve: names "
+                             "only)")
     EngineArgs.add_cli_args(parser)
 
 
@@ -89,24 +100,45 @@ def build_state(args: argparse.Namespace) -> "ServerState":
     client = EngineClient(engine_args, path, tokenizer, log_level=envs.log_level(),
                           max_restarts=args.max_engine_restarts, restart_window_s=args.engine_restart_window)
     metrics = Metrics(cache_config={"block_size": str(engine_args.block_size),
-                                    "kv_cache_memory": str(engine_args.kv_cache_memory_bytes)})
+                                    "kv_cache_memory": str(engine_args.kv_cache_memory_bytes)},
+                      compat=args.metrics_compat, model_name=names[0])
     limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_tokens_per_request,
                            args.max_prompt_logprobs_tokens)
     return ServerState(client, tokenizer, config, path, names, metrics, args.api_key, args.max_queue_len,
                        args.max_request_bytes, limits=limits)
 
 
+def uvicorn_log_level(level: str) -> int:
+    """uvicorn's own loggers stay at WARNING unless DEBUG is asked for: the start-up banner and the access log say
+    what its INFO lines would."""
+    value = logging.getLevelName(level)
+    value = value if isinstance(value, int) else logging.INFO
+    return value if value <= logging.DEBUG else max(value, logging.WARNING)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT (0), or until the engine core can no longer be restarted (1); 3 when start-up
-    fails (uvicorn's STARTUP_FAILURE)."""
+    fails (uvicorn's STARTUP_FAILURE). Logs the start-up banner once the engine is ready and the socket listens."""
     import uvicorn
 
+    from ..version import __version__
+    from .access_log import AccessLog
     from .api_server import build_app
+    from .banner import format_banner
     from .lifecycle import DeltaserveServer
 
+    log.info("deltaserve %s starting: model %s, the engine core loads it in its own process", __version__,
+             args.model or "deltaserve-default (embedded)")
     state = build_state(args)
-    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=envs.log_level().lower(),
+    app = build_app(state)
+    # No uvicorn logging config: its loggers go through the root handler, in this process's format.
+    config = uvicorn.Config(app if args.disable_log_requests else AccessLog(app), host=args.host, port=args.port,
+                            log_config=None, log_level=uvicorn_log_level(envs.log_level()), access_log=False,
                             **connection_options(args))
-    server = DeltaserveServer(config, state.engine, drain_s=args.shutdown_timeout)
+
+    def listening(url: str) -> None:
+        log.info("%s", format_banner(state.engine.summary, state.served_names, url, __version__))
+
+    server = DeltaserveServer(config, state.engine, drain_s=args.shutdown_timeout, on_listening=listening)
     server.run()
     return server.exit_code if server.started else uvicorn.config.STARTUP_FAILURE
