@@ -258,8 +258,9 @@ def fit_to_open_files(max_connections: int, open_files: int) -> tuple[int, int]:
 def connection_options(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for `uvicorn.run` / `uvicorn.Config` that apply --timeout-header, --timeout-keep-alive
     and --max-connections: the limited h11 protocol (bound to a fresh registry for this server), the keep-alive
-    timeout, the listen backlog, and no WebSocket protocol (the API has no WebSocket routes, and an upgraded
-    connection would leave the registry). Raises the process's open-file limit first and fits the cap under it."""
+    timeout, the listen backlog, no WebSocket protocol (the API has no WebSocket routes, and an upgraded
+    connection would leave the registry), and asyncio's own event loop. Raises the process's open-file limit first
+    and fits the cap under it."""
     open_files = raise_open_file_limit()
     cap, backlog = fit_to_open_files(args.max_connections, open_files)
     if cap < args.max_connections:
@@ -267,4 +268,8 @@ def connection_options(args: argparse.Namespace) -> dict[str, Any]:
                     open_files)
     limits = ConnectionLimits(args.timeout_header, args.timeout_keep_alive, cap)
     protocol = functools.partial(LimitedH11Protocol, registry=ConnectionRegistry(limits))
-    return {"http": protocol, "ws": "none", "timeout_keep_alive": limits.timeout_keep_alive, "backlog": backlog}
+    # uvicorn takes uvloop whenever it is installed; the protocol's timers are built on asyncio's loop, and under
+    # uvloop a partial request head after a response is closed silently instead of answered 408 at the header
+    # deadline (tests/test_connections.py::test_keep_alive_idle_and_partial_next_head).
+    return {"http": protocol, "ws": "none", "timeout_keep_alive": limits.timeout_keep_alive, "backlog": backlog,
+            "loop": "asyncio"}
