@@ -273,6 +273,15 @@ def test_chat_access_line_counts_the_rendered_prompt(bf16):
         out.id, "/v1/chat/completions", out.usage.prompt_tokens, out.usage.completion_tokens)
 
 
+def test_responses_access_line(bf16):
+    client = openai.OpenAI(base_url=bf16.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    before = len(access_lines(bf16))
+    out = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3, temperature=0.0)
+    (line,) = new_access_lines(bf16, before, 1)
+    assert (line["id"], line["path"], line["status"], int(line["prompt"]), int(line["completion"])) == (
+        out.id, "/v1/responses", "200", out.usage.input_tokens, out.usage.output_tokens)
+
+
 def test_disable_log_requests(fp32):
     r = httpx.post(fp32.url + "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 3},
                    timeout=30)
