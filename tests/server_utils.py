@@ -114,12 +114,13 @@ def _stop(proc: subprocess.Popen, timeout: float = 15.0) -> None:
 
 
 @contextlib.contextmanager
-def run_server(model: str | Path, *args: str, api_key: str | None = None,
+def run_server(model: str | Path | None, *args: str, api_key: str | None = None,
                timeout: float = START_TIMEOUT_S) -> Iterator[Server]:
-    """Start `deltaserve serve MODEL --port P ARGS...`, wait for /health 200, yield a Server; always stop it
-    (SIGTERM, then SIGKILL) and any engine child it leaves behind."""
+    """Start `deltaserve serve MODEL --port P ARGS...` (no MODEL for None: the embedded default model), wait for
+    /health 200, yield a Server; always stop it (SIGTERM, then SIGKILL) and any engine child it leaves behind."""
     port = free_port()
-    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(model), "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", *([] if model is None else [str(model)]), "--port",
+           str(port), *args]
     if api_key:
         cmd += ["--api-key", api_key]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="2",
