@@ -156,3 +156,23 @@ def test_chat_tool_choice_and_response_format(make_checkpoint, preset):
                                            response_format={"type": "json_object"}, max_tokens=8)
         assert err.value.body["param"] == "tool_choice"
         assert_all_free(s)
+
+
+def test_compiled_grammars_are_cached_and_copied():
+    from deltaserve.engine.grammar import CACHE_SIZE, Grammars
+    from deltaserve.tokenizer import load_tokenizer
+    tok = load_tokenizer(default_model_path())
+    grammars = Grammars(tok, tok.vocab_size, [tok.eos_token_id])
+    text = grammars.compile(StructuredOutputsParams(json=PERSON))
+    assert grammars.compile(StructuredOutputsParams(json=PERSON)) == text  # validated once, then remembered
+    first, second = grammars.matcher(text), grammars.matcher(text)
+    assert first is not second
+    start = grammars.allowed([second])
+    for token in tok.encode('{"name": "ab'):
+        assert first.consume_token(token)
+    # advancing one completion's matcher leaves the other, and the cached start, where they were
+    assert bool((grammars.allowed([second]) == start).all()) and not bool((grammars.allowed([first]) == start).all())
+    assert bool((grammars.allowed([grammars.matcher(text)]) == start).all())
+    for k in range(CACHE_SIZE + 1):  # the cache stays bounded
+        grammars.matcher(grammars.compile(StructuredOutputsParams(regex=f"a{{{k + 1}}}")))
+    assert len(grammars._compiled) == CACHE_SIZE and len(grammars._checked) <= CACHE_SIZE

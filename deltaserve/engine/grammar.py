@@ -1,8 +1,8 @@
 """Structured outputs: token masks from llguidance grammars (docs/serving.md §10 "Structured outputs").
 
 `Grammars` (one per engine) wraps llguidance over the model's tokenizer. It turns a `StructuredOutputsParams` into
-llguidance's grammar text, validates it once per distinct text (a bounded cache: a server sees the same few schemas
-over and over), and makes a fresh `LLMatcher` per completion. Each step, `allowed` computes the masks of every
+llguidance's grammar text, validates and compiles it once per distinct text (a bounded cache: a server sees the same
+few schemas over and over), and gives each completion a copy of the compiled matcher at its start. Each step, `allowed` computes the masks of every
 constrained row in one parallel call and returns them as a bool tensor [rows, vocab]; the sampler sets the logits
 of the other tokens to -inf before anything else (engine/sampler.py), and the core advances each matcher with the
 token it appended (engine/core.py). A grammar that has reached its end allows only the stop ids.
@@ -26,7 +26,7 @@ from ..tokenizer import Tokenizer
 from .sampling_params import InvalidRequestError, StructuredOutputsParams
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-CACHE_SIZE = 256  # distinct grammar texts whose validation is remembered
+CACHE_SIZE = 256  # distinct grammar texts whose validation and compiled matcher are remembered
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -62,6 +62,7 @@ class Grammars:
         self._lltokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._checked: OrderedDict[str, str] = OrderedDict()  # grammar text -> "" (valid) or the error
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar text -> matcher at start
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
@@ -91,8 +92,15 @@ class Grammars:
         return text
 
     def matcher(self, text: str) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of the output, for a text `compile` returned."""
-        return llguidance.LLMatcher(self.lltokenizer, text, log_level=0)
+        """A matcher at the start of the output, for a text `compile` returned: a copy of the one compiled for it."""
+        start = self._compiled.get(text)
+        if start is None:
+            start = self._compiled[text] = llguidance.LLMatcher(self.lltokenizer, text, log_level=0)
+            if len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(text)
+        return start.deep_copy()
 
     def allowed(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """Bool [len(matchers), vocab_size]: the tokens each matcher allows next, computed in parallel."""
