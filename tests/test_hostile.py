@@ -270,7 +270,8 @@ def _limit_cases() -> list[Case]:
 def _route_and_auth_cases() -> list[Case]:
     cases: list[Case] = []
     for method, path in [("GET", "/v1/models"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/debug/integrity"),
-                         ("POST", T), ("POST", D), ("POST", C), ("GET", "/v1/nothing")]:
+                         ("GET", "/tokenizer_info"), ("POST", T), ("POST", D), ("POST", C), ("POST", R),
+                         ("GET", "/v1/nothing")]:
         raw = body(prompt="a", tokens=[1], messages=USER) if method == "POST" else None
         hdr = JSON if method == "POST" else {}
         slug = path.strip("/").replace("/", "-")
