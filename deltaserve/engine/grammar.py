@@ -47,7 +47,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 
 def named_grammars(spec: StructuredOutputsParams, name: str) -> list[dict]:
     """The grammars of `spec` as entries of a top-level llguidance grammar, the first named `name` so that a Lark
-    rule of another grammar can refer to it as `@name` (chat/constraints.py wraps a chat format around it)."""
+    rule of another grammar can refer to it as `@name` (server/constraints.py wraps a chat format around it)."""
     grammars = json.loads(grammar_text(spec))["grammars"]
     return [{**grammars[0], "name": name}, *grammars[1:]]
 

@@ -265,18 +265,10 @@ def _filtered_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
 
 
 def score_tokens(logits: Tensor, targets: list[int], num_top: int) -> list[TokenLogprobs]:
-    """Each row's report for a given token (prompt logprobs): log_softmax of the raw logits [R, V], the target's
-    logprob and rank, and the top `num_top` alternatives; what `_report` gives a sampled token, for R rows at once."""
+    """Each row's report for a given token (prompt logprobs): from the log_softmax of the raw logits [R, V], what
+    `_report` gives a sampled token (logprob, rank, the top `num_top` alternatives)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    target = torch.tensor(targets, dtype=torch.long, device=lp.device).unsqueeze(1)
-    chosen = lp.gather(1, target)
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    values, ids = lp.topk(min(num_top, lp.shape[1])) if num_top > 0 else (None, None)
-    out = []
-    for r, (token, value) in enumerate(zip(targets, chosen.squeeze(1).tolist())):
-        top = list(zip(ids[r].tolist(), values[r].tolist())) if ids is not None else []
-        out.append(TokenLogprobs(token, value, ranks[r], top))
-    return out
+    return [_report(row, token, num_top) for row, token in zip(lp, targets)]
 
 
 def _report(row_logprobs: Tensor, token_id: int, num_top: int) -> TokenLogprobs:

@@ -239,15 +239,22 @@ def _top_dict(tok: Tokenizer, top) -> dict[str, float]:
     return out
 
 
-def _completion_logprobs(tok: Tokenizer, token_ids: list[int], logprobs, offset: int) -> dict | None:
-    if logprobs is None:
+def _completion_logprobs(tok: Tokenizer, token_ids: list[int], reports, offset: int,
+                         with_token: bool = False) -> dict | None:
+    """The legacy completions `logprobs` of `token_ids` from their reports, text offsets from `offset`. A None report
+    (an echoed prompt's first token) gives nulls; `with_token` puts each token among its own alternatives, as an
+    echoed prompt's are read (vLLM's shape; lm-eval's greedy check compares the token with their best)."""
+    if reports is None:
         return None
     tokens, values, tops, offsets = [], [], [], []
-    for tid, lp in zip(token_ids, logprobs):
+    for tid, r in zip(token_ids, reports):
         s = _token_str(tok, tid)
         tokens.append(s)
-        values.append(lp.logprob)
-        tops.append(_top_dict(tok, lp.top) if lp.top else None)
+        values.append(None if r is None else r.logprob)
+        top = _top_dict(tok, r.top) if r is not None and (r.top or with_token) else None
+        if top is not None and with_token:
+            top.setdefault(s, r.logprob)
+        tops.append(top)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -270,23 +277,9 @@ def _prompt_logprobs_json(tok: Tokenizer, reports) -> list[dict | None] | None:
     return out
 
 
-def _echo_logprobs(tok: Tokenizer, prompt_ids: list[int], reports) -> dict:
-    """The legacy completions `logprobs` of an echoed prompt: its tokens, their logprobs (null for the first) and
-    top alternatives (the prompt token among them), offsets from 0."""
-    tokens, values, tops, offsets, offset = [], [], [], [], 0
-    for tid, r in zip(prompt_ids, reports):
-        s = _token_str(tok, tid)
-        tokens.append(s)
-        values.append(None if r is None else r.logprob)
-        if r is None:
-            tops.append(None)
-        else:
-            top = _top_dict(tok, r.top)
-            top.setdefault(s, r.logprob)
-            tops.append(top)
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+def _echo_logprobs(tok: Tokenizer, prompt_ids: list[int], reports) -> dict | None:
+    """The legacy completions `logprobs` of an echoed prompt (null for its first token), offsets from 0."""
+    return _completion_logprobs(tok, prompt_ids, reports, 0, with_token=True)
 
 
 def _joined_logprobs(head: dict | None, tail: dict | None) -> dict | None:
@@ -337,13 +330,15 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
         for i, (out, (text, ids)) in enumerate(zip(finals, inputs)):
             cached += out.num_cached_tokens
             head = _echo_logprobs(state.tokenizer, ids, out.prompt_logprobs) if echo_lps else None
+            scored = (_prompt_logprobs_json(state.tokenizer, out.prompt_logprobs)
+                      if req.prompt_logprobs is not None else None)
             for c in out.outputs:
                 body = (text + c.text) if req.echo else c.text
                 lps = _completion_logprobs(state.tokenizer, c.token_ids, c.logprobs, len(text) if req.echo else 0)
                 choice = {"index": i * n + c.index, "text": body, "logprobs": _joined_logprobs(head, lps),
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _prompt_logprobs_json(state.tokenizer, out.prompt_logprobs)
+                if scored is not None:
+                    choice["prompt_logprobs"] = scored
                 choices.append(choice)
                 completion_tokens += len(c.token_ids)
         prompt_tokens = sum(len(ids) for _, ids in inputs)
@@ -421,12 +416,13 @@ def _first_chunks(tok: Tokenizer, req: CompletionRequest, prompt: tuple[str, lis
         return []
     text, ids = prompt
     echo_lps = _echo_logprobs(tok, ids, out.prompt_logprobs) if req.echo and req.logprobs is not None else None
+    scored = _prompt_logprobs_json(tok, out.prompt_logprobs) if req.prompt_logprobs is not None else None
     chunks = []
     for k in range(n):
         chunk = {"index": first_index + k, "text": text if req.echo else "", "logprobs": echo_lps,
                  "finish_reason": None}
-        if req.prompt_logprobs is not None:
-            chunk["prompt_logprobs"] = _prompt_logprobs_json(tok, out.prompt_logprobs)
+        if scored is not None:
+            chunk["prompt_logprobs"] = scored
         chunks.append(chunk)
     return chunks
 

@@ -139,7 +139,8 @@ def _logprob_from_list(lp: list | None) -> TokenLogprobs | None:
 
 
 def output_to_dict(o: CoreOutput) -> dict:
-    d = dataclasses.asdict(o)
+    # the fields one level deep: asdict would first deep-copy the logprob reports that are rewritten here anyway
+    d = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
     d["logprob"] = _logprob_to_list(o.logprob)
     if o.prompt_logprobs is not None:
         d["prompt_logprobs"] = [_logprob_to_list(lp) for lp in o.prompt_logprobs]

@@ -209,19 +209,16 @@ class StructuredOutputs(OpenAIModel):
     structural_tag: StrictStr | None = None
     model_config = ConfigDict(extra="ignore", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
 
-    @model_validator(mode="after")
-    def _one(self):
-        if self.structural_tag is not None:
+    @field_validator("structural_tag")
+    @classmethod
+    def _no_structural_tag(cls, value):
+        if value is not None:
             raise request_error("structured_outputs.structural_tag", "structural_tag is not supported; use json, "
                                 "regex, choice, grammar or json_object")
-        given = [n for n, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
-                                ("grammar", self.grammar), ("json_object", self.json_object or None)) if v is not None]
-        if len(given) != 1:
-            raise request_error("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, "
-                                f"grammar, json_object; got {given}")
-        return self
+        return value
 
     def params(self) -> StructuredOutputsParams:
+        """The engine's form; that exactly one constraint is given is checked there (StructuredOutputsParams)."""
         return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
                                        json_object=bool(self.json_object))
 
@@ -313,7 +310,7 @@ class ChatPromptOptions:
 
     def extra_template_kwargs(self) -> dict:
         """chat_template_kwargs other than the thinking switches (which `thinking_settings` resolves)."""
-        return {k: v for k, v in self.template_kwargs(False).items() if k not in ("thinking", "thinking_effort")}
+        return dict((self.chat_template_kwargs or ChatTemplateKwargs()).model_extra or {})
 
     def tool_dicts(self) -> list[dict] | None:
         """`tools` as plain dicts (None when absent or empty)."""
@@ -406,10 +403,6 @@ class _SamplingRequest(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise request_error("stream_options", "stream_options can only be set when stream is true")
         _check_response_format(self.response_format)
-        try:
-            self.constraint()
-        except InvalidRequestError as exc:
-            raise request_error(exc.field, str(exc)) from None
         self._check_fields()
         try:
             self.to_sampling_params(None)
