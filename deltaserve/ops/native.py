@@ -32,11 +32,15 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from .. import envs
-from .native_contract import ISA_AMX_BF16, ISA_AVX2, ISA_AVX512BF16, ISA_AVX512F, ISA_FMA, LinearTask, set_signatures
+from .mx import BLOCK, E2M1, E4M3, ElementFormat, ScaleMode, element_format
+from .native_contract import (ACT_CEIL, ACT_EVEN, ACT_FLOOR, ACT_NONE, ACT_RCEIL, ISA_AMX_BF16, ISA_AVX2,
+                              ISA_AVX512BF16, ISA_AVX512F, ISA_FMA, MAT_BF16, MAT_E2M1, MAT_E4M3, LinearTask, MxMatrix,
+                              set_signatures)
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +295,175 @@ def linear_heads_columns(x: torch.Tensor, packed: torch.Tensor, n_out: int, tile
         native_library().ds_heads_columns(x.data_ptr(), T, x.stride(0), x.stride(1), H, K, packed.data_ptr(), n_out,
                                           y.data_ptr(), tiles, torch.get_num_threads())
     return y
+
+
+# ---- MX weights in the column-packed order (native_src/mx.c) ----
+
+_MAT_OF = {"e4m3": MAT_E4M3, "e2m1": MAT_E2M1}
+ACT_OF = {None: ACT_NONE, ScaleMode.FLOOR: ACT_FLOOR, ScaleMode.RCEIL: ACT_RCEIL, ScaleMode.CEIL: ACT_CEIL,
+          ScaleMode.EVEN: ACT_EVEN}
+# The E8M0 scale bytes at which every non-zero element's product with its scale is a normal bf16, so the kernels'
+# decoder (which builds the bf16 exponent directly) is exact: native_src/mx.c says why.
+_EXACT_SCALES = {"e4m3": (10, 246), "e2m1": (2, 252)}
+
+
+class ColumnMatrix(NamedTuple):
+    """A matrix [N, K], or a stack [..., N, K] of them, as the column products read it (native_src/experts.c, mx.c):
+    bf16 in `pack_columns`' layout (`bf16_columns`) or MX codes in that order with their E8M0 scales
+    (`mx_columns`); `act` (ACT_*): how a product quantises its input rows to MXFP8 first."""
+
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    format: int
+    shape: tuple[int, ...]
+    act: int = ACT_NONE
+
+    def struct(self) -> MxMatrix:
+        return MxMatrix(data=self.data.data_ptr(), scales=0 if self.scales is None else self.scales.data_ptr(),
+                        format=self.format, act=self.act)
+
+    def quantising(self, mode: ScaleMode | None) -> "ColumnMatrix":
+        """The same weights, their products quantising inputs by scale rule `mode` (None: not at all)."""
+        return self._replace(act=ACT_OF[mode])
+
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+
+def bf16_columns(w: torch.Tensor) -> ColumnMatrix:
+    """bf16 weights [..., N, K] as a ColumnMatrix (`pack_columns`)."""
+    return ColumnMatrix(pack_columns(w), None, MAT_BF16, tuple(w.shape))
+
+
+def _codes(data: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """The element codes as uint8 [..., K] (FP4: one code a byte, unpacked)."""
+    if fmt is E2M1:
+        return torch.stack([data & 15, data >> 4], dim=-1).flatten(-2)
+    return data.view(torch.uint8)
+
+
+def mx_exact(data: torch.Tensor, scale: torch.Tensor, fmt: str | ElementFormat) -> bool:
+    """Whether the kernels decode these MX weights exactly (ops/mx.py storage: float8 [..., N, K] or packed FP4
+    uint8 [..., N, K/2], scales uint8 [..., N, K/32]): E4M3 or E2M1 elements, no NaN code, and every block with a
+    non-zero element scaled within the range where its products are normal bf16s."""
+    fmt = element_format(fmt)
+    if fmt.name not in _MAT_OF:
+        return False
+    magnitude = _codes(data, fmt) & (0x7F if fmt is E4M3 else 0x7)
+    if fmt is E4M3 and bool((magnitude == 0x7F).any()):
+        return False
+    lo, hi = _EXACT_SCALES[fmt.name]
+    live = magnitude.reshape(*scale.shape, BLOCK).ne(0).any(-1)
+    return not bool((live & ((scale < lo) | (scale > hi))).any())
+
+
+def mx_columns(data: torch.Tensor, scale: torch.Tensor, fmt: str | ElementFormat) -> ColumnMatrix:
+    """MX weights (ops/mx.py storage, as `mx_exact` takes them; K a multiple of 32) in the column products' order:
+    per matrix, blocks of 64 output columns, each [K/2][64][2] codes (E4M3) or [K/2][64] bytes (E2M1, element 2p
+    in the low nibble: the stored bytes as they are), then the scales as [K/32][64] per block; columns past N zero
+    codes and scale 0. Raises ValueError when `mx_exact` says no."""
+    fmt = element_format(fmt)
+    if not mx_exact(data, scale, fmt):
+        raise ValueError(f"mx_columns: these {fmt.name} weights are outside the range the kernels decode exactly")
+    *lead, N, G = scale.shape
+    K, nb = G * BLOCK, -(-N // 64)
+    pad = (0, 0, 0, nb * 64 - N)
+    raw = data.view(torch.uint8)
+    if fmt is E4M3:  # [.., N, K] -> [.., nb, 64, K/2, 2] -> [.., nb, K/2, 64, 2]
+        blocks = torch.nn.functional.pad(raw, pad).reshape(*lead, nb, 64, K // 2, 2).transpose(-3, -2)
+    else:  # [.., N, K/2] -> [.., nb, 64, K/2] -> [.., nb, K/2, 64]
+        blocks = torch.nn.functional.pad(raw, pad).reshape(*lead, nb, 64, K // 2).transpose(-2, -1)
+    scales = torch.nn.functional.pad(scale, pad).reshape(*lead, nb, 64, G).transpose(-2, -1)
+    packed = huge_page_empty(tuple(blocks.shape), torch.uint8).copy_(blocks)
+    return ColumnMatrix(packed, scales.contiguous(), _MAT_OF[fmt.name], (*lead, N, K))
+
+
+def mx_stored(m: ColumnMatrix) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `mx_columns`: (data, scale) in ops/mx.py's storage (float8 E4M3 [..., N, K] or packed FP4
+    uint8 [..., N, K/2], scales [..., N, K/32])."""
+    *lead, N, K = m.shape
+    if m.format == MAT_E4M3:
+        data = m.data.transpose(-3, -2).reshape(*lead, -1, K)[..., :N, :].contiguous().view(torch.float8_e4m3fn)
+    else:
+        data = m.data.transpose(-2, -1).reshape(*lead, -1, K // 2)[..., :N, :].contiguous()
+    scale = m.scales.transpose(-2, -1).reshape(*lead, -1, K // BLOCK)[..., :N, :].contiguous()
+    return data, scale
+
+
+def _matrix_ok(m: ColumnMatrix, shape: tuple[int, ...]) -> bool:
+    return tuple(m.shape) == tuple(shape) and m.data.is_contiguous() and (m.scales is None or m.scales.is_contiguous())
+
+
+def mx_unpack_block(m: ColumnMatrix, b: int) -> torch.Tensor:
+    """Block b of a single matrix decoded by the kernels: bf16 [K/2, 64, 2] (pack_columns' block layout)."""
+    K = m.shape[-1]
+    out = torch.empty((K + 1) // 2, 64, 2, dtype=torch.bfloat16)
+    native_library().ds_mx_unpack_block(m.struct(), K, b, out.data_ptr())
+    return out
+
+
+def mx_quantize_rows(x: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
+    """fake_quantize_mx(x, E4M3, mode) of bf16 rows x [M, K] (contiguous rows, K a multiple of 32) on the kernels:
+    equal to it bit for bit (native_src/mx.c mx_quantize_row)."""
+    M, K = x.shape
+    if not (_rows(x) and K % BLOCK == 0):
+        raise ValueError("mx_quantize_rows takes bf16 x [M, K] with contiguous rows and K a multiple of 32")
+    out = torch.empty(M, K, dtype=torch.bfloat16)
+    native_library().ds_mx_quantize_rows(x.data_ptr(), M, K, x.stride(0), ACT_OF[ScaleMode(mode)], out.data_ptr(),
+                                         torch.get_num_threads())
+    return out
+
+
+def linear_mx(x: torch.Tensor, w: ColumnMatrix, tiles: bool = True) -> torch.Tensor:
+    """x [M, K] (bf16, contiguous rows) @ W^T for a ColumnMatrix W [N, K], its inputs quantised as `w.act` says:
+    the twin of ops/mx_linear.py `mx_linear_ref` (dequantised weights, fp32 sums, one rounding to bf16), up to the
+    order of the sums (native_src/experts.c ds_mx_linear). Returns [M, N] bf16."""
+    M, K = x.shape
+    N = w.shape[0]
+    if not (_rows(x) and len(w.shape) == 2 and _matrix_ok(w, (N, K))):
+        raise ValueError("linear_mx takes bf16 x [M, K] with contiguous rows and a ColumnMatrix [N, K]")
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    if M and native_library().ds_mx_linear(x.data_ptr(), M, x.stride(0), K, w.struct(), N, y.data_ptr(), tiles,
+                                           torch.get_num_threads()):
+        raise ValueError(f"linear_mx: K = {K} is not whole MX blocks of {BLOCK}")
+    return y
+
+
+def moe_mx(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: ColumnMatrix, w3: ColumnMatrix,
+           w2: ColumnMatrix, situ: tuple[float, float | None] | None = None,
+           shared: tuple[ColumnMatrix, ColumnMatrix, ColumnMatrix] | None = None,
+           tiles: bool = True) -> torch.Tensor:
+    """`moe_bf16` over ColumnMatrix stacks w1/w3 [E, I, D] and w2 [E, D, I] (bf16 or MX, each product quantising
+    its inputs as its matrix says; w1 and w3 alike), with an optional shared expert (gate [IS, D], up [IS, D],
+    down [D, IS] ColumnMatrices): the twin of layers/quantized.py MXExperts (plus the MoE's shared MLP over
+    MXLinears, or bf16 Linears) up to the order of the fp32 sums (native_src/experts.c ds_mx_moe)."""
+    T, D = x.shape
+    E, I, _ = w1.shape
+    if not (x.is_contiguous() and _rows(x) and _matrix_ok(w1, (E, I, D)) and _matrix_ok(w3, (E, I, D))
+            and _matrix_ok(w2, (E, D, I))):
+        raise ValueError("moe_mx takes contiguous bf16 x [T, D] and ColumnMatrix stacks w1/w3 [E, I, D], w2 [E, D, I]")
+    IS, structs = 0, [None, None, None]
+    if shared is not None:
+        IS = shared[0].shape[0]
+        if not all(_matrix_ok(m, s) for m, s in zip(shared, ((IS, D), (IS, D), (D, IS)))):
+            raise ValueError("moe_mx: a shared expert is gate [IS, D], up [IS, D] and down [D, IS] ColumnMatrices")
+        structs = [m.struct() for m in shared]
+    experts = experts.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    if experts.shape != weights.shape or experts.shape[0] != T:
+        raise ValueError("moe_mx: experts and weights must both be [T, k]")
+    out = torch.empty(T, D, dtype=torch.bfloat16)
+    bad = native_library().ds_mx_moe(x.data_ptr(), T, D, experts.data_ptr(), weights.data_ptr(), experts.shape[1],
+                                     w1.struct(), w3.struct(), w2.struct(), E, I, situ is not None,
+                                     situ[0] if situ else 0.0,
+                                     float("nan") if situ is None or situ[1] is None else situ[1], *structs, IS,
+                                     tiles, out.data_ptr(), torch.get_num_threads())
+    if bad == -1:
+        raise ValueError(f"moe_mx: expert ids must lie in [0, {E})")
+    if bad:
+        raise ValueError("moe_mx: gate and up must quantise their inputs alike, and MX matrices need K a multiple "
+                         f"of {BLOCK}")
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

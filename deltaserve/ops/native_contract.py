@@ -51,11 +51,19 @@ SOP_KDA, SOP_MLA, SOP_DSA, SOP_FFN, SOP_MIX = 1, 2, 3, 4, 5
 # compile instead. AVX2 and FMA (x86-64-v3) are the floor at which `--backend auto` takes those portable forms
 # (ops/native.py `native_choice`).
 ISA_AVX512F, ISA_AVX512BF16, ISA_AMX_BF16, ISA_AVX2, ISA_FMA = 1, 2, 4, 8, 16
+# How a column-packed matrix (`MxMatrix.format`) stores its weights: bf16 (`pack_columns`), or MX codes in the same
+# order with E8M0 scales beside them (`pack_mx_columns`: MXFP8-E4M3, MXFP4-E2M1).
+MAT_BF16, MAT_E4M3, MAT_E2M1 = 0, 1, 2
+# How a product quantises its input rows (`MxMatrix.act`): not at all, or to MXFP8-E4M3 per 32 with the block
+# scale of this rule (ops/mx.py ScaleMode), then back to bf16 (exact: every MXFP8 value is a bf16).
+ACT_NONE, ACT_FLOOR, ACT_RCEIL, ACT_CEIL, ACT_EVEN = 0, 1, 2, 3, 4
 
 CONSTANTS = {name: globals()[name] for name in ("LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "TILE_MIN_ROWS",
                                                 "MAX_MIX_SOURCES", "SOP_KDA", "SOP_MLA", "SOP_DSA", "SOP_FFN",
                                                 "SOP_MIX", "ISA_AVX512F", "ISA_AVX512BF16", "ISA_AMX_BF16",
-                                                "ISA_AVX2", "ISA_FMA")}
+                                                "ISA_AVX2", "ISA_FMA", "MAT_BF16", "MAT_E4M3",
+                                                "MAT_E2M1", "ACT_NONE", "ACT_FLOOR", "ACT_RCEIL", "ACT_CEIL",
+                                                "ACT_EVEN")}
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,20 @@ class LinearTask(ctypes.Structure):
     fields = [
         ("w", BF16S, ""), ("ldw", I64, "-1: packed"), ("n", I64, ""), ("y", CType(ctypes.c_void_p, "bf16 *"), ""),
         ("ldy", I64, ""), ("x", BF16S, ""), ("ldx", I64, ""),
+    ]
+
+
+@_layout
+class MxMatrix(ctypes.Structure):
+    """A column-packed weight matrix [N, K] (or a stack of them, one per expert, one after another) as the column
+    products read it: bf16 (MAT_BF16, `pack_columns`; scales 0) or MX codes in that order (MAT_E4M3: two bytes a
+    pair of k, MAT_E2M1: one byte a pair, element 2p in the low nibble) with one E8M0 scale byte a column per 32 of
+    K (`pack_mx_columns`), and how the product quantises its input rows (ACT_*)."""
+
+    c_name = "mx_matrix"
+    fields = [
+        ("data", ANY, ""), ("scales", pointer("const uint8_t *"), "[blocks][K / 32][64]; 0 for bf16"),
+        ("format", I64, "MAT_*"), ("act", I64, "ACT_*"),
     ]
 
 
@@ -208,7 +230,7 @@ class StackStep(ctypes.Structure):
     ]
 
 
-STRUCTS = (LinearTask, KdaBlock, MoeBlock, MlaBlock, DsaBlock, StackOp, StackStep)
+STRUCTS = (LinearTask, MxMatrix, KdaBlock, MoeBlock, MlaBlock, DsaBlock, StackOp, StackStep)
 
 # Every entry point ctypes calls, as C declares it; each is documented where it is defined (native_src/*.c).
 ENTRY_POINTS = """
@@ -221,6 +243,14 @@ void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const b
     int tiles, int nthreads);
 void ds_heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const bf16 *w,
     int64_t N, bf16 *out, int tiles, int nthreads);
+int ds_mx_linear(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *w, int64_t N, bf16 *out,
+    int tiles, int nthreads);
+int ds_mx_moe(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
+    const mx_matrix *w1, const mx_matrix *w3, const mx_matrix *w2, int64_t E, int64_t I, int act_kind, float beta,
+    float lin_beta, const mx_matrix *s1, const mx_matrix *s3, const mx_matrix *s2, int64_t IS, int tiles,
+    bf16 *out, int nthreads);
+void ds_mx_quantize_rows(const bf16 *x, int64_t M, int64_t K, int64_t ldx, int act, bf16 *out, int nthreads);
+void ds_mx_unpack_block(const mx_matrix *w, int64_t K, int64_t b, bf16 *out);
 int ds_tiles_usable(void);
 int ds_vector_isa(void);
 void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf16 *w, float eps, bf16 *out,

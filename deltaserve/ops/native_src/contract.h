@@ -20,6 +20,14 @@
 #define ISA_AMX_BF16 4
 #define ISA_AVX2 8
 #define ISA_FMA 16
+#define MAT_BF16 0
+#define MAT_E4M3 1
+#define MAT_E2M1 2
+#define ACT_NONE 0
+#define ACT_FLOOR 1
+#define ACT_RCEIL 2
+#define ACT_CEIL 3
+#define ACT_EVEN 4
 
 /* One product of ds_linear_bf16: y [M, n] (row stride ldy) = x [M, K] (row stride ldx) @ W^T for W [n, K] row-major
  * (row stride ldw) or packed by pack_rows (ldw -1); the tasks of a call may share x (several weights over one input)
@@ -33,6 +41,17 @@ typedef struct {
     const bf16 *x;
     int64_t ldx;
 } linear_task;
+
+/* A column-packed weight matrix [N, K] (or a stack of them, one per expert, one after another) as the column products
+ * read it: bf16 (MAT_BF16, `pack_columns`; scales 0) or MX codes in that order (MAT_E4M3: two bytes a pair of k,
+ * MAT_E2M1: one byte a pair, element 2p in the low nibble) with one E8M0 scale byte a column per 32 of K
+ * (`pack_mx_columns`), and how the product quantises its input rows (ACT_*). */
+typedef struct {
+    const void *data;
+    const uint8_t *scales; /* [blocks][K / 32][64]; 0 for bf16 */
+    int64_t format; /* MAT_* */
+    int64_t act; /* ACT_* */
+} mx_matrix;
 
 /* ds_kda_block: a KDA layer's attention block. The input projections are stacked q | k | v | f_a | b | g (g: g_a of
  * width head_dim, or the full-rank gate of width heads * head_dim when w_gb is 0); each weight row-packed (w_*) and
@@ -206,6 +225,14 @@ void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const b
     int tiles, int nthreads);
 void ds_heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const bf16 *w,
     int64_t N, bf16 *out, int tiles, int nthreads);
+int ds_mx_linear(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *w, int64_t N, bf16 *out,
+    int tiles, int nthreads);
+int ds_mx_moe(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
+    const mx_matrix *w1, const mx_matrix *w3, const mx_matrix *w2, int64_t E, int64_t I, int act_kind, float beta,
+    float lin_beta, const mx_matrix *s1, const mx_matrix *s3, const mx_matrix *s2, int64_t IS, int tiles, bf16 *out,
+    int nthreads);
+void ds_mx_quantize_rows(const bf16 *x, int64_t M, int64_t K, int64_t ldx, int act, bf16 *out, int nthreads);
+void ds_mx_unpack_block(const mx_matrix *w, int64_t K, int64_t b, bf16 *out);
 int ds_tiles_usable(void);
 int ds_vector_isa(void);
 void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf16 *w, float eps, bf16 *out,

@@ -6,16 +6,41 @@
 #include "common.h"
 #include "contract.h"
 
-/* A shared expert beside column-packed routed ones: w1/w3 [IS, D] and w2 [D, IS], column-packed. */
+#define COL_BLOCK 64 /* output columns per column-packed block (experts.c, mx.c) */
+
+/* A shared expert beside column-packed routed ones: w1/w3 [IS, D] and w2 [D, IS], and the rows it reads (x, or
+ * their MXFP8 quantisation when w1 quantises its inputs). */
 typedef struct {
-    const bf16 *w1, *w3, *w2;
+    mx_matrix w1, w3, w2;
     int64_t I;
+    const bf16 *x;
 } shared_expert;
-/* experts.c: ds_moe_bf16's outer-product form over column-packed experts (packed 2), after the grouping. */
-void moe_columns(const bf16 *x, const bf16 *const *xrows, const int64_t *order, const int64_t *start,
-                 const int64_t *used, int64_t nused, int64_t T, int64_t D, int64_t k, const float *weights,
-                 const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t I, const shared_expert *sh,
-                 const glu_act *act, int tiles, bf16 *h, bf16 *out, int nthreads);
+/* products.c: the (token, slot) pairs of an expert product grouped by expert, ascending expert then pair index:
+ * order[start[e] .. start[e+1]) for expert e, the experts with pairs in `used`, each pair's input row (x + token *
+ * D) in that order in xrows. group_pairs returns -1 (and holds nothing) for an id outside [0, E). */
+typedef struct {
+    int64_t *start, *order, *used, nused;
+    const bf16 **xrows;
+} pair_groups;
+int group_pairs(const int64_t *experts, int64_t T, int64_t k, int64_t E, const bf16 *x, int64_t D, pair_groups *g);
+void free_groups(pair_groups *g);
+/* experts.c: ds_moe_bf16's outer-product form over column-packed experts (packed 2) and ds_mx_moe's, after the
+ * grouping; w1/w3/w2 are the stacks (expert e at mx_at(w, e, ...)). */
+void moe_columns(const bf16 *const *xrows, const int64_t *order, const int64_t *start, const int64_t *used,
+                 int64_t nused, int64_t T, int64_t D, int64_t k, const float *weights, const mx_matrix *w1,
+                 const mx_matrix *w3, const mx_matrix *w2, int64_t I, const shared_expert *sh, const glu_act *act,
+                 int tiles, bf16 *h, bf16 *out, int nthreads);
+/* experts.c: ds_heads_columns over any column-packed matrix (bf16 or MX; inputs as the caller gives them). */
+void heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const mx_matrix *w,
+                   int64_t N, bf16 *out, int tiles, int nthreads);
+/* mx.c: the bytes of one column-packed [N, K] matrix's data and scales, matrix e of a stack, the bf16 pairs
+ * [p0, p1) of block b of a matrix (decoded from MX codes: dst [p1 - p0][64][2]), and MXFP8 fake quantisation of
+ * n values (a multiple of 32) of a bf16 row in place, by ACT_* rule. */
+int64_t mx_data_bytes(int64_t format, int64_t N, int64_t K);
+int64_t mx_scale_bytes(int64_t format, int64_t N, int64_t K);
+mx_matrix mx_at(const mx_matrix *w, int64_t e, int64_t N, int64_t K);
+void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int64_t K, bf16 *dst);
+void mx_quantize_row(bf16 *x, int64_t n, int act);
 /* tiles.c: products of TILE_MIN_ROWS rows and more take the AMX tile unit (ds_tiles_usable), the AVX512-BF16 pair
  * products otherwise. tile_block_product is experts.c's block_product for rows at a stride over K's whole groups
  * of 32: acc [m][64] = x [m] (stride ldx) times block b of column-packed w [N, K], pairs [0, 16 (K / 32)) only;

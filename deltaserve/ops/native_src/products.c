@@ -94,45 +94,58 @@ static void moe_rows(const bf16 *const *xrows, const bf16 *const *hrows, const i
  * each rounded to bf16 first (the MoE block's sum), in the same pass over the weights (experts.c). With `tiles`,
  * column-packed experts of TILE_MIN_ROWS tokens or more run on the AMX tile unit where there is one (tiles.c).
  * Returns 0, -1 (nothing computed) for an id outside [0, E), or -2 for a shared expert without packed 2. */
+int group_pairs(const int64_t *experts, int64_t T, int64_t k, int64_t E, const bf16 *x, int64_t D, pair_groups *g) {
+    int64_t P = T * k;
+    for (int64_t p = 0; p < P; p++)
+        if (experts[p] < 0 || experts[p] >= E) return -1;
+    g->start = calloc((size_t)(E + 1), sizeof(int64_t));
+    g->order = malloc(sizeof(int64_t) * (size_t)P);
+    int64_t *fill = malloc(sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t p = 0; p < P; p++) g->start[experts[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) g->start[e + 1] += g->start[e];
+    memcpy(fill, g->start, sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t p = 0; p < P; p++) g->order[fill[experts[p]]++] = p;
+    free(fill);
+    g->used = malloc(sizeof(int64_t) * (size_t)E);
+    g->nused = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (g->start[e + 1] > g->start[e]) g->used[g->nused++] = e;
+    g->xrows = malloc(sizeof(bf16 *) * (size_t)P);
+    for (int64_t s = 0; s < P; s++) g->xrows[s] = x + (g->order[s] / k) * D;
+    return 0;
+}
+
+void free_groups(pair_groups *g) {
+    free(g->start);
+    free(g->order);
+    free(g->used);
+    free(g->xrows);
+}
+
 int ds_moe_bf16(const bf16 *x, int64_t T, int64_t D, const int64_t *experts, const float *weights, int64_t k,
                 const bf16 *w1, const bf16 *w3, const bf16 *w2, int64_t E, int64_t I, int packed, int act_kind,
                 float beta, float lin_beta, const bf16 *s1, const bf16 *s3, const bf16 *s2, int64_t IS, int tiles,
                 bf16 *h, bf16 *out, int nthreads) {
-    glu_act actv = {act_kind, !isnan(lin_beta), beta, lin_beta}, *act = &actv;
-    shared_expert shared = {s1, s3, s2, IS};
-    int64_t P = T * k;
+    glu_act act = {act_kind, !isnan(lin_beta), beta, lin_beta};
     if (IS > 0 && packed != 2) return -2;
-    for (int64_t p = 0; p < P; p++)
-        if (experts[p] < 0 || experts[p] >= E) return -1;
-    /* pairs grouped by expert, ascending expert then pair index: order[start[e] .. start[e+1]) */
-    int64_t *start = calloc((size_t)(E + 1), sizeof(int64_t));
-    int64_t *order = malloc(sizeof(int64_t) * (size_t)P), *fill = malloc(sizeof(int64_t) * (size_t)(E + 1));
-    for (int64_t p = 0; p < P; p++) start[experts[p] + 1]++;
-    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
-    memcpy(fill, start, sizeof(int64_t) * (size_t)(E + 1));
-    for (int64_t p = 0; p < P; p++) order[fill[experts[p]]++] = p;
-    int64_t *used = malloc(sizeof(int64_t) * (size_t)E), nused = 0;
-    for (int64_t e = 0; e < E; e++)
-        if (start[e + 1] > start[e]) used[nused++] = e;
-    /* the pairs' input rows in grouped order; moe_rows also takes their hidden rows (moe_columns lays out its own) */
-    const bf16 **xrows = malloc(sizeof(bf16 *) * (size_t)P);
-    const bf16 **hrows = packed == 2 ? NULL : malloc(sizeof(bf16 *) * (size_t)P);
-    for (int64_t s = 0; s < P; s++) {
-        xrows[s] = x + (order[s] / k) * D;
-        if (hrows) hrows[s] = h + order[s] * I;
+    pair_groups g;
+    if (group_pairs(experts, T, k, E, x, D, &g)) return -1;
+    if (packed == 2) {
+        mx_matrix m1 = {w1, NULL, MAT_BF16, ACT_NONE}, m3 = {w3, NULL, MAT_BF16, ACT_NONE},
+                  m2 = {w2, NULL, MAT_BF16, ACT_NONE};
+        shared_expert shared = {{s1, NULL, MAT_BF16, ACT_NONE}, {s3, NULL, MAT_BF16, ACT_NONE},
+                                {s2, NULL, MAT_BF16, ACT_NONE}, IS, x};
+        moe_columns(g.xrows, g.order, g.start, g.used, g.nused, T, D, k, weights, &m1, &m3, &m2, I,
+                    IS > 0 ? &shared : NULL, &act, tiles, h, out, nthreads);
+    } else {
+        /* moe_rows also takes the pairs' hidden rows (moe_columns lays out its own) */
+        const bf16 **hrows = malloc(sizeof(bf16 *) * (size_t)(T * k));
+        for (int64_t s = 0; s < T * k; s++) hrows[s] = h + g.order[s] * I;
+        moe_rows(g.xrows, hrows, g.order, g.start, g.used, g.nused, T, D, k, weights, w1, w3, w2, I, packed, &act,
+                 h, out, nthreads);
+        free(hrows);
     }
-    if (packed == 2)
-        moe_columns(x, xrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I, IS > 0 ? &shared : NULL,
-                    act, tiles, h, out, nthreads);
-    else
-        moe_rows(xrows, hrows, order, start, used, nused, T, D, k, weights, w1, w3, w2, I, packed, act, h, out,
-                 nthreads);
-    free(start);
-    free(order);
-    free(fill);
-    free(used);
-    free(xrows);
-    free(hrows);
+    free_groups(&g);
     return 0;
 }
 

@@ -1,0 +1,217 @@
+/* MX weights as the column products read them, and MXFP8 quantisation of their input rows (docs/ops.md §7).
+ *
+ * Why: decode streams every weight once a token, so its speed follows the bytes read. An MX matrix is read as
+ * stored (one byte a weight for MXFP8-E4M3, half a byte for MXFP4-E2M1, one E8M0 scale byte per 32) and decoded
+ * into bf16 a chunk at a time into a per-thread scratch in L1 that the bf16 pair products of experts.c then read,
+ * so no bf16 copy of a whole matrix ever exists.
+ *
+ * Layout (ops/native.py pack_mx_columns): pack_columns' order, per matrix blocks of COL_BLOCK output columns and
+ * per block its pairs of k: MAT_E4M3 [K/2][64][2] codes (a byte each), MAT_E2M1 [K/2][64] bytes (element 2p in the
+ * low nibble, 2p + 1 in the high one), then per block the scales [K/32][64]; columns past N have zero codes and
+ * scale 0. K is a multiple of 32 (an MX block).
+ *
+ * Exactness: an E4M3 or E2M1 value times a power of two is a bf16 unless it leaves bf16's normal range. The decoder
+ * builds the bf16 directly: the code's magnitude as a bf16 from a table, plus (scale - 127) in the exponent field,
+ * plus the sign. That is exact while every non-zero element's exponent stays normal: scale bytes in [10, 246] for
+ * E4M3 and [2, 252] for E2M1, and no NaN code (E4M3 0x7F / 0xFF). pack_mx_columns checks this; a matrix outside it
+ * keeps the torch path. The products then sum the exact bf16 values in fp32, as the reference twin does. */
+#include "kernels.h"
+
+/* The bf16 bits of an E4M3 code's magnitude (code & 0x7F): subnormals m 2^-9, normals (1 + m/8) 2^(e-7); 0x7F is
+ * NaN (excluded at pack time). */
+static const bf16 E4M3_MAGNITUDE[128] = {
+    0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60, 0x3c80, 0x3c90, 0x3ca0, 0x3cb0, 0x3cc0, 0x3cd0,
+    0x3ce0, 0x3cf0, 0x3d00, 0x3d10, 0x3d20, 0x3d30, 0x3d40, 0x3d50, 0x3d60, 0x3d70, 0x3d80, 0x3d90, 0x3da0, 0x3db0,
+    0x3dc0, 0x3dd0, 0x3de0, 0x3df0, 0x3e00, 0x3e10, 0x3e20, 0x3e30, 0x3e40, 0x3e50, 0x3e60, 0x3e70, 0x3e80, 0x3e90,
+    0x3ea0, 0x3eb0, 0x3ec0, 0x3ed0, 0x3ee0, 0x3ef0, 0x3f00, 0x3f10, 0x3f20, 0x3f30, 0x3f40, 0x3f50, 0x3f60, 0x3f70,
+    0x3f80, 0x3f90, 0x3fa0, 0x3fb0, 0x3fc0, 0x3fd0, 0x3fe0, 0x3ff0, 0x4000, 0x4010, 0x4020, 0x4030, 0x4040, 0x4050,
+    0x4060, 0x4070, 0x4080, 0x4090, 0x40a0, 0x40b0, 0x40c0, 0x40d0, 0x40e0, 0x40f0, 0x4100, 0x4110, 0x4120, 0x4130,
+    0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4190, 0x41a0, 0x41b0, 0x41c0, 0x41d0, 0x41e0, 0x41f0, 0x4200, 0x4210,
+    0x4220, 0x4230, 0x4240, 0x4250, 0x4260, 0x4270, 0x4280, 0x4290, 0x42a0, 0x42b0, 0x42c0, 0x42d0, 0x42e0, 0x42f0,
+    0x4300, 0x4310, 0x4320, 0x4330, 0x4340, 0x4350, 0x4360, 0x4370, 0x4380, 0x4390, 0x43a0, 0x43b0, 0x43c0, 0x43d0,
+    0x43e0, 0x7fc0,
+};
+/* The bf16 bits of each E2M1 code (sign in bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; 32 entries so
+ * one register holds the table for a 16-bit permute. */
+static const bf16 E2M1_VALUE[32] = {
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+    0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
+};
+
+static inline int64_t blocks_of(int64_t N) { return (N + COL_BLOCK - 1) / COL_BLOCK; }
+
+int64_t mx_data_bytes(int64_t format, int64_t N, int64_t K) {
+    int64_t pairs = (K + 1) / 2;
+    int64_t row = format == MAT_E4M3 ? 2 * COL_BLOCK : format == MAT_E2M1 ? COL_BLOCK : 2 * COL_BLOCK * 2;
+    return blocks_of(N) * pairs * row;
+}
+
+int64_t mx_scale_bytes(int64_t format, int64_t N, int64_t K) {
+    return format == MAT_BF16 ? 0 : blocks_of(N) * (K / 32) * COL_BLOCK;
+}
+
+mx_matrix mx_at(const mx_matrix *w, int64_t e, int64_t N, int64_t K) {
+    mx_matrix m = *w;
+    m.data = (const uint8_t *)w->data + e * mx_data_bytes(w->format, N, K);
+    if (w->scales) m.scales = w->scales + e * mx_scale_bytes(w->format, N, K);
+    return m;
+}
+
+/* The exponent-field offset of each of a group's 64 columns, as 16-bit lanes twice per column (both elements of a
+ * pair): off[c][j] = (scale_c - 127) << 7. */
+static inline void scale_offsets(const uint8_t *scales, int16_t off[COL_BLOCK][2]) {
+    for (int c = 0; c < COL_BLOCK; c++) off[c][0] = off[c][1] = (int16_t)(((int)scales[c] - 127) * 128);
+}
+
+/* One E4M3 code as a bf16 at exponent offset off (the scalar form of the vector decoder below: the same integers) */
+static inline bf16 e4m3_bf16(uint8_t code, int16_t off) {
+    uint16_t mag = E4M3_MAGNITUDE[code & 0x7f];
+    return (bf16)((code & 0x7f ? (uint16_t)(mag + off) : mag) | (uint16_t)(code & 0x80) << 8);
+}
+
+static inline bf16 e2m1_bf16(uint8_t code, int16_t off) {
+    uint16_t v = E2M1_VALUE[code & 15];
+    return (bf16)(code & 7 ? (uint16_t)(v + off) : v);
+}
+
+void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int64_t K, bf16 *dst) {
+    const uint8_t *scales = w->scales + b * (K / 32) * COL_BLOCK;
+    int64_t pairs = (K + 1) / 2;
+    for (int64_t g0 = p0; g0 < p1;) { /* a run of pairs under one group of scales (16 pairs = 32 of K) */
+        int64_t g1 = (g0 / 16 + 1) * 16 < p1 ? (g0 / 16 + 1) * 16 : p1;
+        int16_t off[COL_BLOCK][2];
+        scale_offsets(scales + g0 / 16 * COL_BLOCK, off);
+        if (w->format == MAT_E4M3) {
+            const uint8_t *src = (const uint8_t *)w->data + (b * pairs + g0) * 2 * COL_BLOCK;
+            bf16 *out = dst + (g0 - p0) * 2 * COL_BLOCK;
+#if defined(__AVX512BW__)
+            __m512i table[4];
+            for (int j = 0; j < 4; j++) table[j] = _mm512_loadu_si512(E4M3_MAGNITUDE + 32 * j);
+            __m512i offv[4];
+            for (int j = 0; j < 4; j++) offv[j] = _mm512_loadu_si512(off[16 * j]);
+            for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK) {
+                ask_stream(src);
+                ask_stream(src + 64);
+                for (int j = 0; j < 4; j++) {
+                    __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + 32 * j)));
+                    __m512i mag = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
+                    /* 128 entries: two 64-entry permutes, chosen by bit 6 */
+                    __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(mag, _mm512_set1_epi16(0x40)),
+                                                        _mm512_permutex2var_epi16(table[0], mag, table[1]),
+                                                        _mm512_permutex2var_epi16(table[2], mag, table[3]));
+                    v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(mag, mag), v, offv[j]);
+                    v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(0x80)), 8));
+                    _mm512_storeu_si512(out + 32 * j, v);
+                }
+            }
+#else
+            for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK)
+                for (int c = 0; c < 2 * COL_BLOCK; c++) out[c] = e4m3_bf16(src[c], off[c / 2][c % 2]);
+#endif
+        } else {
+            const uint8_t *src = (const uint8_t *)w->data + (b * pairs + g0) * COL_BLOCK;
+            bf16 *out = dst + (g0 - p0) * 2 * COL_BLOCK;
+#if defined(__AVX512BW__)
+            const __m512i table = _mm512_loadu_si512(E2M1_VALUE);
+            __m512i offv[4];
+            for (int j = 0; j < 4; j++) offv[j] = _mm512_loadu_si512(off[16 * j]);
+            for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK) {
+                ask_stream(src);
+                for (int j = 0; j < 4; j++) {
+                    /* byte c -> 32-bit lane (low code, high code) as two 16-bit indices */
+                    __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * j)));
+                    __m512i idx = _mm512_or_si512(_mm512_and_si512(byte, _mm512_set1_epi32(0x0f)),
+                                                  _mm512_slli_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(0xf0)),
+                                                                    12));
+                    __m512i v = _mm512_permutexvar_epi16(idx, table);
+                    v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(idx, _mm512_set1_epi16(7)), v, offv[j]);
+                    _mm512_storeu_si512(out + 32 * j, v);
+                }
+            }
+#else
+            for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK)
+                for (int c = 0; c < COL_BLOCK; c++) {
+                    out[2 * c] = e2m1_bf16(src[c] & 15, off[c][0]);
+                    out[2 * c + 1] = e2m1_bf16(src[c] >> 4, off[c][1]);
+                }
+#endif
+        }
+        g0 = g1;
+    }
+}
+
+/* Every pair of block b of w, decoded: out [K/2][64][2] bf16 (tests/test_native_mx.py holds it to dequantize_mx). */
+void ds_mx_unpack_block(const mx_matrix *w, int64_t K, int64_t b, bf16 *out) {
+    if (w->format == MAT_BF16)
+        memcpy(out, (const bf16 *)w->data + b * COL_BLOCK * 2 * ((K + 1) / 2),
+               sizeof(bf16) * (size_t)(COL_BLOCK * 2 * ((K + 1) / 2)));
+    else
+        mx_decode_pairs(w, b, 0, (K + 1) / 2, K, out);
+}
+
+/* a (|a| <= 448) rounded to the nearest E4M3 value, ties to even: normals keep 3 mantissa bits (fp32 bit 20 up),
+ * subnormals are multiples of 2^-9. */
+static inline float round_e4m3(float a) {
+    if (fabsf(a) < 0x1p-6f) return nearbyintf(a * 512.f) / 512.f;
+    uint32_t u;
+    memcpy(&u, &a, 4);
+    u = (u + 0x7ffffu + ((u >> 20) & 1u)) & ~0xfffffu;
+    memcpy(&a, &u, 4);
+    return a;
+}
+
+/* The E8M0 block exponent of a block whose largest magnitude is amax (finite, >= 0), by rule act (ops/mx.py
+ * block_scales for E4M3: emax 8, 448, 3 mantissa bits). */
+static inline int block_exponent(float amax, int act) {
+    if (!(amax > 0.f)) return -127;
+    int ex, e;
+    float mant = frexpf(amax, &ex);
+    if (act == ACT_FLOOR) {
+        e = ex - 1 - 8;
+    } else if (act == ACT_CEIL) {
+        e = ex - (mant == 0.5f) - 8;
+    } else if (act == ACT_EVEN) {
+        uint32_t u;
+        memcpy(&u, &amax, 4);
+        e = (int)(((u + (1u << 19)) >> 23) & 0xff) - 127 - 8;
+    } else { /* ACT_RCEIL */
+        mant = frexpf(amax / 448.f, &ex);
+        e = ex - (mant == 0.5f);
+    }
+    return e < -127 ? -127 : e > 127 ? 127 : e;
+}
+
+/* fake_quantize_mx(x, E4M3, rule act) of n bf16 values (n a multiple of 32), in place, equal bit for bit: per 32,
+ * the scale from the block's amax, each element scaled by 2^-e in fp32, saturated to ±448, rounded to E4M3 and
+ * multiplied back by 2^e in fp32 then rounded to bf16, as torch does it; a block holding NaN or ±Inf becomes NaN. */
+void mx_quantize_row(bf16 *x, int64_t n, int act) {
+    for (int64_t b = 0; b < n; b += 32) {
+        float v[32], amax = 0.f;
+        int finite = 1;
+        for (int i = 0; i < 32; i++) {
+            v[i] = bf16_to_f32(x[b + i]);
+            if (!isfinite(v[i])) finite = 0;
+            else if (fabsf(v[i]) > amax) amax = fabsf(v[i]);
+        }
+        if (!finite) {
+            for (int i = 0; i < 32; i++) x[b + i] = 0x7fc0;
+            continue;
+        }
+        int e = block_exponent(amax, act);
+        float inv = ldexpf(1.f, -e), scale = ldexpf(1.f, e);
+        for (int i = 0; i < 32; i++) {
+            float s = v[i] * inv;
+            s = s > 448.f ? 448.f : s < -448.f ? -448.f : s;
+            x[b + i] = f32_to_bf16(round_e4m3(s) * scale);
+        }
+    }
+}
+
+/* out [M, K] = mx_quantize_row of each row of x [M, K] (row stride ldx) under rule act (ACT_NONE: a copy). */
+void ds_mx_quantize_rows(const bf16 *x, int64_t M, int64_t K, int64_t ldx, int act, bf16 *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= (1 << 15))
+    for (int64_t i = 0; i < M; i++) {
+        memcpy(out + i * K, x + i * ldx, sizeof(bf16) * (size_t)K);
+        if (act != ACT_NONE) mx_quantize_row(out + i * K, K, act);
+    }
+}

@@ -1,0 +1,221 @@
+"""The native MX kernels (ops/native.py `linear_mx`, `moe_mx`, native_src/mx.c) against their reference twins:
+the decoder equals `dequantize_mx` bit for bit, the input quantiser equals `fake_quantize_mx` bit for bit, and the
+products equal "dequantise, then the fp32 product" (ops/mx_linear.py `mx_linear_ref`, layers/quantized.py
+MXExperts) within float rounding, at decode and prefill row counts, K on and off multiples of 64, widths on and off
+the 64-column blocks, and experts that no token picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.config import ModelConfig
+from deltaserve.layers.moe import Experts, Routing
+from deltaserve.layers.quantized import W4A8_MXFP4, W4A16_MXFP4, MXExperts, MXLinear, MXScheme
+from deltaserve.ops import native
+from deltaserve.ops.mx import E2M1, E4M3, ScaleMode, dequantize_mx, fake_quantize_mx, quantize_mx
+from deltaserve.ops.mx_linear import mx_linear_ref
+from deltaserve.tools.presets import get_preset
+
+pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
+
+FORMATS = [E4M3, E2M1]
+ROWS = [1, 2, 5, 9, 30, 64, 130]  # decode rows, past a register tile (6), past TILED_TOKENS (24), prefill
+
+
+def _mx(N: int, K: int, fmt, seed: int, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    return quantize_mx(torch.randn(N, K, generator=g) * scale, fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("K", [32, 96, 1024])
+def test_decoded_blocks_are_the_dequantised_weights(fmt, K):
+    """Every block the kernels decode is `dequantize_mx` in bf16, bit for bit, including the zero-padded columns
+    past N; `mx_stored` gives back the stored bytes."""
+    N = 130
+    q = _mx(N, K, fmt, K)
+    m = native.mx_columns(q.data, q.scale, fmt)
+    ref = torch.nn.functional.pad(dequantize_mx(q.data, q.scale, fmt, torch.bfloat16), (0, 0, 0, 192 - N))
+    for b in range(3):
+        cols = native.mx_unpack_block(m, b).transpose(0, 1).reshape(64, K)
+        assert torch.equal(cols, ref[64 * b:64 * (b + 1)]), b
+    data, scale = native.mx_stored(m)
+    assert torch.equal(data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(scale, q.scale)
+    assert m.nbytes() == (3 * 64 * K * (1 if fmt is E4M3 else 0.5)) + 3 * 64 * K // 32
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_decoding_is_exact_at_the_ends_of_the_scale_range(fmt):
+    """Scales at both ends of the range the decoder builds exactly, every element code, signs and zeros."""
+    lo, hi = native._EXACT_SCALES[fmt.name]
+    codes = torch.arange(256 if fmt is E4M3 else 16, dtype=torch.uint8)
+    if fmt is E4M3:
+        codes = codes[(codes & 0x7F) != 0x7F]  # NaN codes are refused at pack time
+    K = 32 * -(-codes.numel() // 32)
+    row = torch.zeros(K, dtype=torch.uint8)
+    row[:codes.numel()] = codes
+    rows = row.repeat(4, 1)
+    data = rows.view(torch.float8_e4m3fn) if fmt is E4M3 else (rows[:, 0::2] | (rows[:, 1::2] << 4))
+    scale = torch.tensor([lo, hi, 127, lo + 1], dtype=torch.uint8)[:, None].repeat(1, K // 32)
+    assert native.mx_exact(data, scale, fmt)
+    m = native.mx_columns(data, scale, fmt)
+    cols = native.mx_unpack_block(m, 0).transpose(0, 1).reshape(64, K)[:4]
+    ref = dequantize_mx(data, scale, fmt, torch.float32)
+    assert torch.equal(cols.float(), ref) and torch.equal(cols.float().signbit(), ref.signbit())
+
+
+def test_weights_the_decoder_cannot_build_exactly_are_refused():
+    """A scale below the exact range with a live element, or an E4M3 NaN code, is named; a block of zeros may
+    take any scale."""
+    q = _mx(64, 64, E4M3, 0)
+    low = q.scale.clone()
+    low[3, 1] = 5
+    assert not native.mx_exact(q.data, low, E4M3)
+    with pytest.raises(ValueError, match="exactly"):
+        native.mx_columns(q.data, low, E4M3)
+    data = q.data.clone()
+    data.view(torch.uint8)[0, 0] = 0x7F
+    assert not native.mx_exact(data, q.scale, E4M3)
+    zeros = torch.zeros(64, 64, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert native.mx_exact(zeros, torch.zeros(64, 2, dtype=torch.uint8), E4M3)
+
+
+@pytest.mark.parametrize("mode", list(ScaleMode), ids=lambda m: m.value)
+def test_input_quantiser_is_fake_quantize_bit_for_bit(mode):
+    """The kernels' MXFP8-E4M3 quantisation of bf16 rows equals `fake_quantize_mx` under every scale rule: random
+    rows over a wide range of magnitudes, zero blocks, values that saturate, subnormal results, NaN and ±Inf
+    blocks."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 256, generator=g) * torch.exp2(torch.randint(-40, 40, (16, 1), generator=g).float())
+    x[0, :32] = 0
+    x[1, 32:64] = torch.tensor([448.0 * 1.9] + [1e-6] * 31)  # FLOOR saturates the largest element
+    x[2, :32] = torch.linspace(-1, 1, 32) * 2.0 ** -12  # small: E4M3 subnormals after scaling
+    x[3, 5], x[4, 40], x[5, 70] = float("nan"), float("inf"), float("-inf")
+    x = x.to(torch.bfloat16)
+    got = native.mx_quantize_rows(x, mode)
+    ref = fake_quantize_mx(x, E4M3, mode)
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert torch.equal(got.nan_to_num(), ref.nan_to_num())
+    strided = torch.zeros(16, 300, dtype=torch.bfloat16)
+    strided[:, :256] = x
+    assert torch.equal(native.mx_quantize_rows(strided[:, :256], mode).nan_to_num(), ref.nan_to_num())
+
+
+def _assert_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """got is x @ w.T summed to fp32 accuracy and rounded once to bf16 (half a bf16 step plus slack for the fp32
+    sum, measured against the sum of |products|): the twin's result up to the order of its sum."""
+    exact = x.double() @ w.double().T
+    slack = (x.double().abs() @ w.double().abs().T) * 1e-5
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + slack).all()
+
+
+@pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("act", [None, ScaleMode.FLOOR, ScaleMode.RCEIL], ids=lambda a: a.value if a else "a16")
+@pytest.mark.parametrize("K", [32, 96, 1024])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_mx_linear_is_the_dequantised_product(fmt, K, act, tiles):
+    """`linear_mx` = `mx_linear_ref` (inputs quantised as the scheme says, weights dequantised, fp32 sums, one
+    rounding), for every row count from one decode row to prefill chunks, rows read at a stride, widths on and
+    off the 64-column blocks."""
+    N = 200
+    q = _mx(N, K, fmt, K + (act is not None))
+    w = native.mx_columns(q.data, q.scale, fmt).quantising(act)
+    dense = dequantize_mx(q.data, q.scale, fmt, torch.float32)
+    g = torch.Generator().manual_seed(K)
+    for M in ROWS:
+        x = torch.randn(M, K + 5, generator=g).to(torch.bfloat16)[:, :K]
+        y = native.linear_mx(x, w, tiles=tiles)
+        xq = fake_quantize_mx(x, E4M3, act) if act is not None else x
+        _assert_product(y, xq, dense)
+        ref = mx_linear_ref(x, q.data, q.scale, fmt, E4M3 if act else None, act or ScaleMode.FLOOR)
+        torch.testing.assert_close(y, ref, atol=1e-4, rtol=2 ** -7)
+
+
+def test_mx_linear_rejects_what_it_cannot_read():
+    q = _mx(64, 64, E2M1, 0)
+    w = native.mx_columns(q.data, q.scale, E2M1)
+    with pytest.raises(ValueError, match="ColumnMatrix"):
+        native.linear_mx(torch.randn(2, 64), w)  # fp32 rows
+    with pytest.raises(ValueError, match="ColumnMatrix"):
+        native.linear_mx(torch.randn(2, 96).to(torch.bfloat16), w)  # another K
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.mx_quantize_rows(torch.randn(2, 40).to(torch.bfloat16), ScaleMode.FLOOR)
+    assert native.linear_mx(torch.zeros(0, 64, dtype=torch.bfloat16), w).shape == (0, 64)
+
+
+def _mx_experts(E: int, D: int, I: int, scheme: MXScheme, seed: int) -> MXExperts:
+    config = ModelConfig.from_dict(get_preset("kimi-linear-tiny").config)
+    g = torch.Generator().manual_seed(seed)
+    experts = Experts(config, E, D, I)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return MXExperts.from_experts(experts, scheme)
+
+
+def _stacks(m: MXExperts, act: ScaleMode | None) -> tuple[native.ColumnMatrix, ...]:
+    return tuple(native.mx_columns(getattr(m, f"{w}_packed"), getattr(m, f"{w}_scale"), E2M1).quantising(act)
+                 for w in ("w1", "w3", "w2"))
+
+
+@pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("scheme", [W4A8_MXFP4, W4A16_MXFP4], ids=["w4a8", "w4a16"])
+@pytest.mark.parametrize("T", [1, 3, 16, 40, 150])
+@pytest.mark.parametrize("D, I", [(96, 64), (64, 160)])
+def test_mx_experts_match_the_reference_dispatch(D, I, T, scheme, tiles):
+    """`moe_mx` over MXFP4 stacks = MXExperts' torch dispatch (per expert: quantised inputs, dequantised weights,
+    each product rounded to bf16, the activation, the down product's own input quantisation, the weighted sum),
+    up to the order of the fp32 sums; expert E - 1 is never picked. K = I = 160 is not a multiple of 64."""
+    E, k = 6, 2
+    experts = _mx_experts(E, D, I, scheme, T)
+    g = torch.Generator().manual_seed(D + T)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    routing = Routing(torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(T)]),
+                      torch.rand(T, k, generator=g))
+    ref = experts(x, routing)
+    got = native.moe_mx(x, routing.experts, routing.weights, *_stacks(experts, scheme.act_mode if scheme.act else None),
+                        tiles=tiles)
+    # the same roundings in the same places; a sum in another order can move an intermediate bf16 rounding (and,
+    # under W4A8, the MXFP8 code of a hidden value) by one step
+    torch.testing.assert_close(got, ref, atol=float(ref.abs().max()) * 2 ** -5, rtol=2 ** -5)
+    assert (got == ref).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("T", [1, 13, 130])
+def test_mx_experts_with_a_shared_expert_add_both_outputs(T):
+    """A shared MLP of MXFP8 linears (W8A8) in the MXFP4 experts' pass: bit for bit the routed output plus the MLP
+    run alone on the kernel (one expert of weight 1), each rounded to bf16 and summed in bf16, and that MLP equals
+    its MXLinears' torch forward."""
+    E, D, I, IS, k = 8, 96, 64, 96, 2
+    experts = _mx_experts(E, D, I, W4A8_MXFP4, T)
+    from deltaserve.layers.quantized import W8A8_MXFP8
+    g = torch.Generator().manual_seed(T)
+    linears = [MXLinear.from_linear(torch.nn.Linear(i, o, bias=False), W8A8_MXFP8)
+               for i, o in ((D, IS), (D, IS), (IS, D))]
+    shared = tuple(native.mx_columns(m.weight, m.weight_scale, E4M3).quantising(ScaleMode.FLOOR) for m in linears)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    routing = Routing(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]),
+                      torch.rand(T, k, generator=g))
+    stacks = _stacks(experts, ScaleMode.RCEIL)
+    routed = native.moe_mx(x, routing.experts, routing.weights, *stacks)
+    one = tuple(m._replace(shape=(1, *m.shape)) for m in shared)
+    alone = native.moe_mx(x, torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1), *one)
+    got = native.moe_mx(x, routing.experts, routing.weights, *stacks, shared=shared)
+    assert torch.equal(got, routed + alone)
+    mlp = linears[2](F.silu(linears[0](x)) * linears[1](x))
+    torch.testing.assert_close(alone, mlp, atol=float(mlp.abs().max()) * 2 ** -5, rtol=2 ** -5)
+
+
+def test_mx_experts_reject_bad_ids_and_mismatched_inputs():
+    experts = _mx_experts(4, 64, 32, W4A8_MXFP4, 0)
+    w1, w3, w2 = _stacks(experts, ScaleMode.RCEIL)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="expert ids"):
+        native.moe_mx(x, torch.tensor([[0], [4]]), torch.ones(2, 1), w1, w3, w2)
+    with pytest.raises(ValueError, match="alike"):
+        native.moe_mx(x, torch.tensor([[0], [1]]), torch.ones(2, 1), w1, w3.quantising(None), w2)
+    with pytest.raises(ValueError, match="ColumnMatrix"):
+        native.moe_mx(x, torch.tensor([[0], [1]]), torch.ones(2, 1), w1, w3, w1)  # w2 of the wrong shape
