@@ -19,7 +19,7 @@ run: install
 
 # The native kernels' tests against their torch twins. `make test` runs them again on a build for any AVX2+FMA
 # x86-64 CPU (x86-64-v3, as most laptops) besides the one for this CPU; that build has no AMX tiles, by design.
-NATIVE_TESTS := tests/test_native.py tests/test_native_ops.py tests/test_native_program.py tests/test_opsets.py \
+NATIVE_TESTS := tests/test_native.py tests/test_native_mx.py tests/test_native_ops.py tests/test_native_program.py tests/test_opsets.py \
 	--deselect tests/test_native.py::test_tiles_are_usable_where_the_cpu_has_amx_bf16
 
 # OpenMP threads that spin while waiting slow everything down ~10x when another process shares the 2 cores.

@@ -119,15 +119,18 @@ class MXLinear(nn.Module):
             raise ConfigError(f"cannot run a {self.scheme.ct_format} weight as {scheme.ct_format}")
         self.scheme = scheme
 
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight as the checkpoint stores it: (elements, E8M0 scales)."""
+        return getattr(self, self.data_name), self.weight_scale
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self._dense is None or self._dense.dtype != dtype:
-            self._dense = dequantize_mx(getattr(self, self.data_name), self.weight_scale, self.scheme.weight, dtype)
+            self._dense = dequantize_mx(*self.stored(), self.scheme.weight, dtype)
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.scheme
-        return mx_linear(x, getattr(self, self.data_name), self.weight_scale, s.weight, s.act, s.act_mode,
-                         self.dense_weight(x.dtype))
+        return mx_linear(x, *self.stored(), s.weight, s.act, s.act_mode, self.dense_weight(x.dtype))
 
     def extra_repr(self) -> str:
         act = self.scheme.act.name if self.scheme.act else "none"
@@ -166,19 +169,28 @@ class MXExperts(nn.Module):
             raise ConfigError(f"routed experts support MXFP4 weights only, got {scheme.weight.name}")
         self.scheme = scheme
 
+    def stored(self, w: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Matrix stack `w` ("w1", "w2" or "w3") as the checkpoint stores it: (packed elements, E8M0 scales)."""
+        return getattr(self, f"{w}_packed"), getattr(self, f"{w}_scale")
+
     def expert_weight(self, w: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantised matrix `w` ("w1", "w2" or "w3") of expert e."""
-        return dequantize_mx(getattr(self, f"{w}_packed")[e], getattr(self, f"{w}_scale")[e], E2M1, dtype)
+        data, scale = self.stored(w)
+        return dequantize_mx(data[e], scale[e], E2M1, dtype)
+
+    @property
+    def num_experts(self) -> int:
+        return self.stored("w1")[1].shape[0]
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        return dispatch_experts(x, routing, self.w1_packed.shape[0], self.run_expert)
+        return dispatch_experts(x, routing, self.num_experts, self.run_expert)
 
     def run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
         s = self.scheme
 
         def lin(w: str, v: torch.Tensor) -> torch.Tensor:
-            return mx_linear(v, getattr(self, f"{w}_packed")[e], getattr(self, f"{w}_scale")[e], E2M1, s.act,
-                             s.act_mode, self.expert_weight(w, e, v.dtype))
+            data, scale = self.stored(w)
+            return mx_linear(v, data[e], scale[e], E2M1, s.act, s.act_mode, self.expert_weight(w, e, v.dtype))
 
         return lin("w2", glu_activation(self.config, lin("w1", xe), lin("w3", xe)))
 

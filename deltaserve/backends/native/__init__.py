@@ -24,7 +24,8 @@ class NativeBackend(Backend):
         self.programs = Programs()
 
     def prepare(self, model: torch.nn.Module) -> str:
-        changed = adopt(model, NATIVE_FORMS, kernels_take)
+        dtype = model.embed_tokens.weight.dtype  # MX modules hold no float weights: the model's dtype decides
+        changed = adopt(model, NATIVE_FORMS, lambda module: kernels_take(module, dtype))
         return f"native forms for {changed} modules"
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:

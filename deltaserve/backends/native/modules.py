@@ -1,13 +1,17 @@
 """The native forms of the leaf modules: the same math as layers/, run on the native kernels (ops/native.py) where
 the inputs take them (bf16 rows on the CPU), else by the module's own torch forward.
 
-`NativeBackend.prepare` gives these classes to the modules whose weights the kernels take (bf16, CPU); quantized
-modules (layers/quantized.py) keep theirs. Each native product equals its torch twin to fp32 rounding of the sums
+`NativeBackend.prepare` gives these classes to the modules whose weights the kernels take (bf16, CPU; MX weights
+the kernels decode exactly, in a bf16 model). Each native product equals its torch twin to fp32 rounding of the sums
 (tests/test_native.py holds them together). Linears take the 4-row dot tiles up to `LINEAR_MAX_ROWS` rows and the
 column-packed product above; dense MLPs the fused expert kernel with one expert of weight 1 (on their linears' row
 packs up to `MLP_MAX_ROWS` rows, column packs above, so one copy of each pack serves every size); routed experts the
 fused expert kernel at every size (one call over all experts beats a per-expert dispatch from one token to a long
 prefill chunk), with the shared MLP's products in the same pass.
+
+MX linears and experts (layers/quantized.py) keep their weights only in the column products' order, as stored
+(MXFP8 or MXFP4 codes and E8M0 scales, ops/native.py `mx_columns`): the kernels decode them a chunk at a time, so
+no bf16 copy of a matrix exists; their stored form is rebuilt (`stored`) only for a non-bf16 input.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from ...config import ModelConfig
 from ...layers.mlp import MLP
 from ...layers.moe import MoE, Experts, Router, Routing
 from ...layers.norm import RMSNorm
-from ...ops.native import (gated_rmsnorm_bf16, linear_heads, linear_heads_columns, moe_bf16, native_library,
-                           pack_columns, pack_rows, rmsnorm_bf16, router_bf16)
-from ...ops.native_contract import LINEAR_MAX_ROWS, MLP_MAX_ROWS
+from ...layers.quantized import MXExperts, MXLinear
+from ...ops.native import (ACT_OF, ColumnMatrix, gated_rmsnorm_bf16, linear_heads, linear_heads_columns, linear_mx,
+                           moe_bf16, moe_mx, mx_columns, mx_exact, mx_stored, native_library, pack_columns, pack_rows,
+                           rmsnorm_bf16, router_bf16)
+from ...ops.mx import dequantize_mx
+from ...ops.native_contract import LINEAR_MAX_ROWS, MAT_BF16, MLP_MAX_ROWS
 from ..packs import PackedWeights, native_product, takes_native
 
 
@@ -47,6 +54,50 @@ class NativeLinear(Linear):
     def column_pack(self) -> torch.Tensor:
         """The column pack it multiplies with above LINEAR_MAX_ROWS rows (and the fused blocks with it)."""
         return self.packs.columns([self.weight])
+
+
+def _keep_columns(module: torch.nn.Module, names: list[str], matrices: list[ColumnMatrix]) -> None:
+    """Replace an MX module's stored-layout buffers by the column-ordered ones (one copy of the weights, counted by
+    the module's buffers as before): `<name>_columns` and `<name>_column_scales`."""
+    for buffer in list(module._buffers):
+        del module._buffers[buffer]
+    module.column_layout = {}
+    for name, m in zip(names, matrices):
+        module.register_buffer(f"{name}_columns", m.data)
+        module.register_buffer(f"{name}_column_scales", m.scales)
+        module.column_layout[name] = (m.format, m.shape)
+
+
+def _columns(module: torch.nn.Module, name: str, act) -> ColumnMatrix:
+    fmt, shape = module.column_layout[name]
+    return ColumnMatrix(getattr(module, f"{name}_columns"), getattr(module, f"{name}_column_scales"), fmt, shape,
+                        ACT_OF[act])
+
+
+class NativeMXLinear(MXLinear):
+    """An MX linear on `linear_mx`: its weight read as stored, in the column products' order."""
+
+    def attach(self) -> None:
+        _keep_columns(self, ["weight"], [mx_columns(*MXLinear.stored(self), self.scheme.weight)])
+        self._dense = None
+
+    def columns(self) -> ColumnMatrix:
+        """The weight as the kernels read it, its products quantising inputs as the scheme says."""
+        return _columns(self, "weight", self.scheme.act_mode if self.scheme.act is not None else None)
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return mx_stored(self.columns())
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_mx(*self.stored(), self.scheme.weight, dtype)  # not kept: only non-bf16 inputs need it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (x.dtype == torch.bfloat16 and x.shape[-1] == self.in_features):
+            return super().forward(x)
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return linear_mx(rows, self.columns()).reshape(*x.shape[:-1], self.out_features)
 
 
 class NativeRMSNorm(RMSNorm):
@@ -97,8 +148,48 @@ class NativeExperts(Experts):
                         packed=self.column_packs(), situ=situ_params(self.config), shared=shared)
 
 
+class NativeMXExperts(MXExperts):
+    """MXFP4 routed experts on `moe_mx`: every token through the fused expert kernel over the stacks as stored, in
+    the column products' order."""
+
+    def attach(self) -> None:
+        names = ["w1", "w3", "w2"]
+        _keep_columns(self, names, [mx_columns(*MXExperts.stored(self, w), self.scheme.weight) for w in names])
+
+    def column_matrices(self) -> tuple[ColumnMatrix, ColumnMatrix, ColumnMatrix]:
+        act = self.scheme.act_mode if self.scheme.act is not None else None
+        return tuple(_columns(self, w, act) for w in ("w1", "w3", "w2"))
+
+    def stored(self, w: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return mx_stored(_columns(self, w, None))
+
+    @property
+    def num_experts(self) -> int:
+        return self.column_layout["w1"][1][0]
+
+    def forward(self, x: torch.Tensor, routing: Routing,
+                shared: tuple[ColumnMatrix, ColumnMatrix, ColumnMatrix] | None = None) -> torch.Tensor:
+        """The routed experts' output; with `shared` (`NativeMLP.column_matrices`) plus that MLP's, in one pass."""
+        if x.dtype != torch.bfloat16:
+            if shared is not None:
+                raise ValueError("NativeMXExperts: a shared MLP runs in the expert pass only on bf16 rows")
+            return super().forward(x, routing)
+        return moe_mx(x.contiguous(), routing.experts, routing.weights, *self.column_matrices(),
+                      situ=situ_params(self.config), shared=shared)
+
+
 def _native_linears(*modules: torch.nn.Module) -> bool:
     return all(type(m) is NativeLinear for m in modules)
+
+
+def _column_matrix(linear: torch.nn.Module) -> ColumnMatrix | None:
+    """A native linear's weight as the expert kernel reads it (bf16 column pack or MX columns); None otherwise."""
+    if type(linear) is NativeLinear:
+        pack = linear.column_pack()
+        return ColumnMatrix(pack, None, MAT_BF16, tuple(linear.weight.shape))
+    if type(linear) is NativeMXLinear:
+        return linear.columns()
+    return None
 
 
 class NativeMLP(MLP):
@@ -107,8 +198,16 @@ class NativeMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linears = (self.gate_proj, self.up_proj, self.down_proj)
-        if not (_native_linears(*linears) and takes_native(x, None)):
+        if not takes_native(x, None):
             return super().forward(x)
+        if not _native_linears(*linears):
+            mx = self.column_matrices()
+            if mx is None:
+                return super().forward(x)
+            # MX linears: the expert kernel with one expert of weight 1, each product quantising its own inputs
+            T = x.shape[0]
+            return moe_mx(x.contiguous(), torch.zeros(T, 1, dtype=torch.int64), torch.ones(T, 1),
+                          *(m._replace(shape=(1, *m.shape)) for m in mx), situ=situ_params(self.config))
         # the fused expert kernel with one expert of weight 1: the three products' roundings, with the activation
         # applied to the gate and up sums as they come instead of written out and read back
         T = x.shape[0]
@@ -125,6 +224,14 @@ class NativeMLP(MLP):
             return None
         return (*(m.column_pack() for m in linears), self.gate_proj.out_features)
 
+    def column_matrices(self) -> tuple[ColumnMatrix, ColumnMatrix, ColumnMatrix] | None:
+        """The gate, up and down weights as the expert kernel reads them (bf16 column packs or MX columns, gate and
+        up quantising their inputs alike), for `moe_mx`; None when a linear is neither."""
+        mx = tuple(_column_matrix(m) for m in (self.gate_proj, self.up_proj, self.down_proj))
+        if any(m is None for m in mx) or mx[0].act != mx[1].act:
+            return None
+        return mx
+
 
 class NativeMoE(MoE):
     def attach(self) -> None:
@@ -132,14 +239,17 @@ class NativeMoE(MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts
-        if (self.latent or type(self.experts) is not NativeExperts or type(shared) is not NativeMLP
+        if (self.latent or type(self.experts) not in (NativeExperts, NativeMXExperts) or type(shared) is not NativeMLP
                 or x.dtype != torch.bfloat16):
             return super().forward(x)
-        packs = shared.shared_packs()
-        if packs is None:
-            return super().forward(x)
         # the shared MLP's products overlap the routed experts' weight stream
-        return self.experts(x, self.gate(x), shared=packs)
+        if type(self.experts) is NativeExperts:
+            packs = shared.shared_packs()
+            if packs is not None:
+                return self.experts(x, self.gate(x), shared=packs)
+            return super().forward(x)
+        columns = shared.column_matrices()
+        return self.experts(x, self.gate(x), shared=columns) if columns is not None else super().forward(x)
 
 
 class NativeKimiDeltaAttention(KimiDeltaAttention):
@@ -201,14 +311,26 @@ class NativeMLAttention(MLAttention):
 NATIVE_FORMS: dict[type, type] = {
     Linear: NativeLinear, RMSNorm: NativeRMSNorm, Router: NativeRouter, Experts: NativeExperts, MLP: NativeMLP,
     MoE: NativeMoE, KimiDeltaAttention: NativeKimiDeltaAttention, MLAttention: NativeMLAttention,
+    MXLinear: NativeMXLinear, MXExperts: NativeMXExperts,
 }
 
 
-def kernels_take(module: torch.nn.Module) -> bool:
+def kernels_take(module: torch.nn.Module, model_dtype: torch.dtype = torch.bfloat16) -> bool:
     """The kernels built and the module's weights are what they read: bf16 on the CPU (for MLA, a plain bf16
-    kv_b_proj; for KDA, its output norm weight)."""
+    kv_b_proj; for KDA, its output norm weight); MX weights on the CPU that the kernels decode exactly, in a model
+    of `model_dtype` bf16 (their products take bf16 rows)."""
     if native_library() is None:
         return False
+    if isinstance(module, MXLinear):
+        data, scale = module.stored()
+        return model_dtype == torch.bfloat16 and data.device.type == "cpu" and mx_exact(data, scale,
+                                                                                          module.scheme.weight)
+    if isinstance(module, MLP) and all(isinstance(m, MXLinear) for m in (module.gate_proj, module.up_proj)):
+        return model_dtype == torch.bfloat16  # its linears are taken (or not) on their own
+    if isinstance(module, MXExperts):
+        stacks = [module.stored(w) for w in ("w1", "w3", "w2")]
+        return model_dtype == torch.bfloat16 and all(d.device.type == "cpu" and mx_exact(d, s, module.scheme.weight)
+                                                     for d, s in stacks)
     if isinstance(module, MLAttention):
         weight = module.kv_b_proj.weight if isinstance(module.kv_b_proj, Linear) else None
     elif isinstance(module, KimiDeltaAttention):
