@@ -109,16 +109,38 @@ def test_serve_against_our_server(tmp_path, k31_tiny):
 
 def test_quant(tmp_path, k31_tiny):
     payload = _bench(tmp_path, "quant", "--model", k31_tiny, "--dtype", "bfloat16", "--batch-sizes", "1", "2",
-                     "--input-len", "24", "--output-len", "3", "--num-quality-prompts", "2",
-                     "--kv-cache-memory", "64MiB")
+                     "--input-len", "24", "--output-len", "3", "--prefill-len", "40", "--num-quality-prompts", "2",
+                     "--quality-len", "32", "--kv-cache-memory", "64MiB")
+    assert payload["config"]["quality_len"] == 32
     by_name = {r["variant"]: r for r in payload["results"]}
     assert set(by_name) == {"unquantised", "w8a8-mxfp8", "w4a8-mxfp4", "mxfp", "c8-int8", "c8-fp8"}
     base = by_name["unquantised"]
-    assert base["greedy_agreement"] == 1 and base["mean_kl"] == pytest.approx(0, abs=1e-6)
+    assert base["allowed_speedup"] == 1 and base["speedup"] == {"1": 1, "2": 1} and base["share_of_allowed_b1"] == 1
+    assert base["teacher_forced"]["top1_agreement"] == 1 and base["teacher_forced"]["perplexity_change"] == 0
+    assert base["teacher_forced"]["mean_kl"] == pytest.approx(0, abs=1e-6)
+    assert base["greedy_agreement"] == 1 and base["greedy_mean_kl"] == pytest.approx(0, abs=1e-6)
     for r in payload["results"]:
-        assert all(v > 0 for v in r["decode_tokens_per_s"].values())
-        assert 0 <= r["greedy_agreement"] <= 1 and r["mean_kl"] >= -1e-6
+        assert sum(r["weight_bytes_by_format"].values()) == r["weight_bytes"]
+        assert r["rss_bytes"] > r["weight_bytes"] > r["weight_bytes_per_token"] > 0
+        assert all(v > 0 for v in r["decode_tokens_per_s"].values()) and r["prefill_tokens_per_s"] > 0
+        assert r["speedup"]["1"] == pytest.approx(r["decode_tokens_per_s"]["1"] / base["decode_tokens_per_s"]["1"])
+        assert r["share_of_allowed_b1"] == pytest.approx(r["speedup"]["1"] / r["allowed_speedup"])
+        assert 0 <= r["greedy_agreement"] <= 1 and r["greedy_mean_kl"] >= -1e-6
+        tf = r["teacher_forced"]
+        if r["kv_cache_dtype"] != "auto":  # the cacheless forward reads no cache: nothing to compare
+            assert tf is None and r["weight_bytes"] == base["weight_bytes"] and r["allowed_speedup"] == 1
+            continue
+        assert 0 <= tf["top1_agreement"] <= 1 and tf["mean_kl"] >= -1e-6
+        assert 1 < tf["perplexity"] < math.inf
+        assert tf["perplexity_change"] == pytest.approx(tf["perplexity"] / base["teacher_forced"]["perplexity"] - 1)
+    for scheme, formats in (("w8a8-mxfp8", {"MXFP8"}), ("w4a8-mxfp4", {"MXFP4"}), ("mxfp", {"MXFP4", "MXFP8"})):
+        r = by_name[scheme]
+        assert set(r["weight_bytes_by_format"]) - {"bfloat16", "float32"} == formats
+        assert r["weight_bytes_per_token"] < base["weight_bytes_per_token"] and r["allowed_speedup"] > 1
+        assert r["teacher_forced"]["mean_kl"] > 0  # quantised weights change the distributions
     assert by_name["mxfp"]["weight_bytes"] < by_name["w8a8-mxfp8"]["weight_bytes"] < base["weight_bytes"]
+    assert by_name["mxfp"]["allowed_speedup"] > max(by_name["w8a8-mxfp8"]["allowed_speedup"],
+                                                    by_name["w4a8-mxfp4"]["allowed_speedup"])
     assert by_name["c8-int8"]["cache_bytes_per_token"] < base["cache_bytes_per_token"]
 
 

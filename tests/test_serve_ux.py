@@ -204,6 +204,8 @@ def test_banner_bf16(bf16, bf16_checkpoint):
     version = httpx.get(bf16.url + "/version", timeout=30).json()
     assert banner["backend"].startswith(f"{version['backend']}, {version['ops']} ops ({version['reason']}): ")
     assert banner["weights"].split(";")[1:] == [" quantization: none", " KV cache in bfloat16"]
+    # the bytes by storage format, the largest first: the bf16 weights, then the fp32 parameters (A_log, dt_bias)
+    assert re.fullmatch(r"[\d.]+ \w+ \(bfloat16 [\d.]+ \w+, float32 [\d.]+ \w+\)", banner["weights"].split(";")[0])
     rep = integrity(bf16)
     slot = StateSlots.bytes_per_slot(config)
     # docs/serving.md §4.5: checkpoints default to min(4 per sequence, 20% of the budget, what the slots leave)

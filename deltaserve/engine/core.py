@@ -33,7 +33,7 @@ from .sampler import SampleOutput, Sampler, SamplingState, TokenLogprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler, StepPlan
 from .step_timer import StepTimer
-from .summary import EngineSummary, layer_mix, quantization_text, weight_bytes
+from .summary import EngineSummary, layer_mix, quantization_text, weight_bytes, weight_bytes_by_format
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class EngineCore:
         started = time.monotonic()
         self.model = load_model(model_path, dtype=self.dtype.name, quantization=args.quantization)
         self.weight_bytes = weight_bytes(self.model)
+        self.weight_bytes_by_format = weight_bytes_by_format(self.model)
         log.info("loaded %.1f MB of weights in %.1f s", self.weight_bytes / 1e6, time.monotonic() - started)
         self.backend = select_backend(args.backend, args.ops)
         self.backend_prepared = self.backend.prepare(self.model)
@@ -403,7 +404,8 @@ class EngineCore:
             backend_reason=self.backend.reason, backend_prepared=self.backend_prepared, ops=self.backend.ops.name,
             quantization=quantization_text(self.model, config, args.quantization),
             kv_cache_dtype=args.kv_cache_dtype if latent is not None else self.dtype.name,
-            weight_bytes=self.weight_bytes, kv_cache_memory=args.kv_cache_memory_bytes,
+            weight_bytes=self.weight_bytes, weight_bytes_by_format=self.weight_bytes_by_format,
+            kv_cache_memory=args.kv_cache_memory_bytes,
             num_pages=self.pages.num_blocks, block_size=args.block_size, page_bytes=page_bytes,
             num_state_slots=self.states.num_slots,
             num_checkpoints=self.checkpoints.num_slots if self.checkpoints is not None else 0,

@@ -33,6 +33,7 @@ class EngineSummary:
     quantization: str  # MX layers and where they came from, or "none"
     kv_cache_dtype: str  # the MLA latent pages' value type
     weight_bytes: int  # the weights as loaded, each storage once
+    weight_bytes_by_format: dict[str, int]  # the same bytes split as weight_bytes_by_format says
     kv_cache_memory: int  # the budget split below
     num_pages: int
     block_size: int
@@ -54,6 +55,26 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total
+
+
+def weight_format(t: torch.Tensor) -> str:
+    """The name a plain tensor's bytes are reported under: its dtype ("bfloat16", "float32", ...)."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+def weight_bytes_by_format(model: torch.nn.Module) -> dict[str, int]:
+    """weight_bytes split by storage format: every tensor an MXLinear or MXExperts holds (elements and scales,
+    whatever the buffers are named: a backend may substitute subclasses with their own layout) under "MXFP4" or
+    "MXFP8" by its scheme's weight elements, every other parameter and buffer under its dtype name. Tensors are
+    taken in weight_bytes' order and deduplicated by the same rule, so the values sum to weight_bytes(model)."""
+    mx = {id(t): "MXFP4" if m.scheme.weight is E2M1 else "MXFP8"
+          for m in model.modules() if isinstance(m, (MXLinear, MXExperts)) for t in (*m.parameters(), *m.buffers())}
+    seen, out = set(), Counter()
+    for t in (*model.parameters(), *model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out[mx.get(id(t)) or weight_format(t)] += t.numel() * t.element_size()
+    return dict(out)
 
 
 def layer_mix(config: ModelConfig) -> str:

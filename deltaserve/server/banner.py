@@ -14,6 +14,15 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def weights_text(total: int, by_format: dict[str, int]) -> str:
+    """The weight bytes and their split by storage format, the largest first: "1.15 GiB (MXFP4 760.0 MiB, bfloat16
+    410.2 MiB)", or "23.8 MiB, all bfloat16" for a single format."""
+    if len(by_format) == 1:
+        return f"{format_bytes(total)}, all {next(iter(by_format))}"
+    parts = sorted(by_format.items(), key=lambda kv: (-kv[1], kv[0]))
+    return f"{format_bytes(total)} (" + ", ".join(f"{fmt} {format_bytes(n)}" for fmt, n in parts) + ")"
+
+
 def cache_split(s: EngineSummary) -> str:
     """How --kv-cache-memory was split between the page pool, the KDA working slots and the prefix-cache
     checkpoints."""
@@ -36,7 +45,8 @@ def format_banner(s: EngineSummary, served_names: list[str], url: str, version: 
         f"  model    {s.model_path}: {s.family}{architecture}, {s.layers}",
         f"  dtype    {s.dtype} ({s.dtype_reason})",
         f"  backend  {s.backend}, {s.ops} ops ({s.backend_reason}): {s.backend_prepared}",
-        f"  weights  {format_bytes(s.weight_bytes)}; quantization: {s.quantization}; KV cache in {s.kv_cache_dtype}",
+        f"  weights  {weights_text(s.weight_bytes, s.weight_bytes_by_format)}; quantization: {s.quantization}; "
+        f"KV cache in {s.kv_cache_dtype}",
         f"  cache    {cache_split(s)}",
         f"  context  {s.max_model_len} tokens at most; {s.max_num_seqs} sequences and {s.max_num_batched_tokens} "
         f"tokens per step",

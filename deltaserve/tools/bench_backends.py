@@ -67,14 +67,20 @@ def validation_prompts(tokenizer, count: int, length: int, seed: int) -> list[li
 
 
 @torch.inference_mode()
+def forward_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """fp32 logits [len(ids), vocab] of one cacheless forward of `ids` on `engine`'s model and backend (its
+    quantisation and op set apply; no cache is read or written)."""
+    core = engine.core
+    batch = StepBatch.single(len(ids))
+    batch.ops = core.backend.ops  # the op set the runner hands this backend's steps
+    return core.model.compute_logits(core.backend.forward(core.model, torch.tensor(ids, dtype=torch.long), batch))
+
+
+@torch.inference_mode()
 def score(engine: LLMEngine, prompt: list[int], continuation: list[int]) -> tuple[list[int], list[float]]:
     """One cacheless forward of prompt + continuation on `engine`'s backend: per continuation position, the argmax
     token and the log-probability of the continuation's token there."""
-    core = engine.core
-    ids = torch.tensor(prompt + continuation, dtype=torch.long)
-    batch = StepBatch.single(ids.shape[0])
-    batch.ops = core.backend.ops  # the op set the runner hands this backend's steps
-    logits = core.model.compute_logits(core.backend.forward(core.model, ids, batch))
+    logits = forward_logits(engine, prompt + continuation)
     rows = logits[len(prompt) - 1:len(prompt) - 1 + len(continuation)].log_softmax(-1)
     chosen = rows.gather(1, torch.tensor(continuation, dtype=torch.long).unsqueeze(1)).squeeze(1)
     return rows.argmax(-1).tolist(), chosen.tolist()

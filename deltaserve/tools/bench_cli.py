@@ -90,7 +90,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     add_output_args(sk)
     sk.set_defaults(func=_handler("bench_soak", "run_soak"))
 
-    qb = _engine_parser(bs, "quant", "weight schemes and cache dtypes: bytes, decode speed, agreement and KL",
+    qb = _engine_parser(bs, "quant", "weight schemes and cache dtypes: bytes by format, RSS, bytes read per token "
+                                     "and the speed-up they allow, decode and prefill speed, teacher-forced "
+                                     "agreement, KL and perplexity",
                         "bench_quant", "run_quant")
     from .bench_quant import add_quant_args
 

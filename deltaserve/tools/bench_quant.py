@@ -1,31 +1,53 @@
-"""`deltaserve bench quant`: what each weight scheme and cache dtype costs and buys (issue 8's benchmark; printed and
-written with --json, never asserted).
+"""`deltaserve bench quant`: what each weight scheme and cache dtype costs and buys, all measured in one run (issue
+8's benchmark; printed and written with --json, never asserted).
 
-Variants: the unquantised model, each weight scheme (w8a8-mxfp8, w4a8-mxfp4, mxfp) with the model-dtype cache, and
-the C8 cache (int8, fp8) with unquantised weights. Per variant:
-  * weight bytes: what the layers store (MX bytes + scales, or parameters), not the dequantised copies an MXLinear
-    caches for speed nor the prepacked copies;
+Variants: the unquantised model (the model dtype, e.g. bf16), each weight scheme (w8a8-mxfp8, w4a8-mxfp4, mxfp)
+with the model-dtype cache, and the C8 cache (int8, fp8) with unquantised weights. Per variant:
+  * weight bytes as stored (MX elements + scales, or parameters; not the dequantised copies an MXLinear caches for
+    speed nor prepacked copies), in total and by format (engine/summary.py weight_bytes_by_format);
+  * resident bytes (VmRSS) of a fresh process that built the variant's engine and decoded one short request: the
+    measuring process keeps what earlier variants freed (engine/heap.py), so its own RSS would not tell variants
+    apart;
   * cache bytes per token (every MLA/DSA layer's latent + indexer key);
-  * decode tokens/s at batch 1 and 16 (random prompts, greedy, decode phase only);
-  * quality against the unquantised engine on a fixed prompt set (slices of the shipped validation text): greedy
-    agreement (share of generated positions with the same token) and the mean KL(unquantised || variant) of the
-    next-token distributions at the positions both runs reached with the same tokens so far (so both distributions
-    condition on the same context).
+  * weight bytes one batch-1 decode step reads (bench_roofline.weight_bytes_touched: every weight once, k/E of the
+    routed experts, one embedding row unless tied to the LM head) and the speed-up that allows, unquantised bytes /
+    variant bytes: what a decode bound by reading weights could gain;
+  * decode tokens/s at each --batch-sizes (random prompts of --input-len, greedy, decode phase only, one warm-up
+    batch), and prefill tokens/s: one random prompt of --prefill-len tokens over its time to first token (after one
+    warm-up prompt of the same length);
+  * against the unquantised variant: the decode speed-up at each batch, and at batch 1 the share of the allowed
+    speed-up reached (measured / allowed);
+  * quality against the unquantised engine, teacher-forced: --num-quality-prompts windows of --quality-len tokens
+    of the shipped validation text, one cacheless forward per window on the variant's own model and backend (so its
+    quantisation applies); at every position with a next token: top-1 agreement (same argmax), mean
+    KL(unquantised || variant) of the next-token distributions, and each variant's perplexity (the unquantised one's
+    too) with its relative change. The cacheless forward reads no cache, so the C8 variants have no teacher-forced
+    figures (null);
+  * greedy agreement through the engine (cache included, so the C8 variants are measured too): --num-quality-prompts
+    windows of --input-len tokens continued for --output-len tokens, the share of generated positions with the
+    unquantised run's token, and the mean KL over the positions both runs reached with the same tokens so far.
+JSON: {"bench", "machine", "model", "dtype", "config", "results": [one dict per variant, the unquantised first]}.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import multiprocessing
 import statistics
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 
 from ..engine.config import QUANTIZATIONS, EngineArgs
 from ..engine.llm_engine import LLMEngine
-from ..engine.summary import weight_bytes
+from ..engine.summary import weight_bytes, weight_bytes_by_format
 from .bench import drive, random_prompts
+from .bench_backends import forward_logits
 from .bench_latency import latency_run
 from .bench_report import emit, format_table, machine_info, new_figure, save_figure
+from .bench_roofline import weight_bytes_touched
 from .corpus import VALIDATION_PATH
 
 CACHE_DTYPES = ("int8", "fp8")
@@ -38,9 +60,50 @@ def variants() -> list[tuple[str, str | None, str]]:
 
 
 def quality_prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
+    """`count` windows of `length` tokens spread evenly over the start of the validation text."""
     ids = engine.tokenizer.encode(VALIDATION_PATH.read_text()[:200_000])
     stride = max(length, (len(ids) - length) // max(count, 1))
     return [ids[i * stride:i * stride + length] for i in range(count)]
+
+
+def vm_rss() -> int:
+    """This process's resident bytes (VmRSS of /proc/self/status)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmRSS line")
+
+
+def _built_and_warmed_rss(engine_args: EngineArgs, input_len: int) -> int:
+    engine = LLMEngine(engine_args)
+    latency_run(engine, random_prompts(engine.config.vocab_size, 1, input_len, 0), 2, "rss")
+    return vm_rss()
+
+
+def resident_bytes(engine_args: EngineArgs, input_len: int) -> int:
+    """VmRSS of a fresh (spawned) process after it built an engine with `engine_args` and decoded one request of
+    `input_len` prompt tokens."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_built_and_warmed_rss, engine_args, input_len).result()
+
+
+def teacher_forced(engine: LLMEngine, windows: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per window: (fp32 log-probabilities [len - 1, vocab] of the next token at every position that has one, the
+    next tokens [len - 1])."""
+    return [(forward_logits(engine, w)[:-1].log_softmax(-1), torch.tensor(w[1:])) for w in windows]
+
+
+def compare_teacher_forced(base: list[tuple[torch.Tensor, torch.Tensor]],
+                           other: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Top-1 agreement, mean KL(base || other) and the perplexity of `other`, over every position of every
+    window of two teacher_forced results on the same windows."""
+    same = kl = nll = positions = 0.0
+    for (lp_base, _), (lp, targets) in zip(base, other):
+        same += (lp.argmax(-1) == lp_base.argmax(-1)).sum().item()
+        kl += torch.nn.functional.kl_div(lp, lp_base, log_target=True, reduction="sum").item()
+        nll -= lp.gather(1, targets.unsqueeze(1)).sum().item()
+        positions += len(targets)
+    return {"top1_agreement": same / positions, "mean_kl": kl / positions, "perplexity": math.exp(nll / positions)}
 
 
 def greedy_with_logits(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> list[tuple[list, list]]:
@@ -59,7 +122,7 @@ def greedy_with_logits(engine: LLMEngine, prompts: list[list[int]], output_len: 
     return [(tokens, logits[f"quality-{i}"]) for i, tokens in enumerate(out["tokens"])]
 
 
-def compare(base: list[tuple[list, list]], other: list[tuple[list, list]]) -> tuple[float, float]:
+def compare_greedy(base: list[tuple[list, list]], other: list[tuple[list, list]]) -> tuple[float, float]:
     """(greedy agreement, mean KL over positions with a common history) of two greedy_with_logits results."""
     same = total = 0
     kls = []
@@ -74,36 +137,78 @@ def compare(base: list[tuple[list, list]], other: list[tuple[list, list]]) -> tu
     return same / max(total, 1), statistics.mean(kls) if kls else float("nan")
 
 
+def prefill_tokens_per_s(engine: LLMEngine, length: int) -> float:
+    """Tokens/s of one random prompt of `length` tokens over its time to first token, after a warm-up prompt."""
+    vocab = engine.config.vocab_size
+    drive(engine, random_prompts(vocab, 1, length, 98), 1, "prefill-warm")
+    run = drive(engine, random_prompts(vocab, 1, length, 97), 1, "prefill")
+    return length / (run["first"]["prefill-0"] - run["start"])
+
+
+def measure(engine: LLMEngine, args: argparse.Namespace) -> dict:
+    """The variant's own figures (bytes, speed, its teacher-forced and greedy outputs); comparisons come later."""
+    config, pages = engine.config, engine.core.pages
+    speed = {}
+    for batch in args.batch_sizes:
+        latency_run(engine, random_prompts(config.vocab_size, batch, args.input_len, 99), 2, f"warm{batch}")
+        run, _ = latency_run(engine, random_prompts(config.vocab_size, batch, args.input_len, batch),
+                             args.output_len, f"speed{batch}")
+        speed[batch] = run["decode_tokens_per_s"]
+    return {"weight_bytes": weight_bytes(engine.model), "weight_bytes_by_format": weight_bytes_by_format(engine.model),
+            "cache_bytes_per_token": pages.bytes_per_token(config, pages.dtype, pages.latent_8bit, pages.keys_8bit),
+            "weight_bytes_per_token": weight_bytes_touched(engine.model, 1),
+            "decode_tokens_per_s": speed, "prefill_tokens_per_s": prefill_tokens_per_s(engine, args.prefill_len)}
+
+
 def run_quant(args: argparse.Namespace) -> str:
-    rows, results, baseline = [], [], None
+    results, base_tf, base_greedy = [], None, None
     for name, quantization, kv in variants():
         engine_args = EngineArgs.from_cli(args, args.model)
         engine_args.quantization, engine_args.kv_cache_dtype = quantization, kv
+        rss = resident_bytes(engine_args, args.input_len)
         engine = LLMEngine(engine_args)
         dtype = engine.dtype  # every variant resolves --dtype alike
-        config, pages = engine.config, engine.core.pages
-        cache_bytes = pages.bytes_per_token(config, pages.dtype, pages.latent_8bit, pages.keys_8bit)
-        prompts = quality_prompts(engine, args.num_quality_prompts, args.input_len)
-        quality = greedy_with_logits(engine, prompts, args.output_len)
-        baseline = baseline or quality
-        agreement, kl = compare(baseline, quality)
-        speed = {}
-        for batch in args.batch_sizes:
-            latency_run(engine, random_prompts(config.vocab_size, batch, args.input_len, 99), 2, f"warm{batch}")
-            run, _ = latency_run(engine, random_prompts(config.vocab_size, batch, args.input_len, batch),
-                                 args.output_len, f"speed{batch}")
-            speed[batch] = run["decode_tokens_per_s"]
-        result = {"variant": name, "quantization": quantization, "kv_cache_dtype": kv,
-                  "weight_bytes": weight_bytes(engine.model), "cache_bytes_per_token": cache_bytes,
-                  "decode_tokens_per_s": speed, "greedy_agreement": agreement, "mean_kl": kl}
-        results.append(result)
-        rows.append([name, result["weight_bytes"] / 1e6, cache_bytes,
-                     *[speed[b] for b in args.batch_sizes], agreement, kl])
+        r = {"variant": name, "quantization": quantization, "kv_cache_dtype": kv, "rss_bytes": rss,
+             **measure(engine, args)}
+        greedy = greedy_with_logits(engine, quality_prompts(engine, args.num_quality_prompts, args.input_len),
+                                    args.output_len)
+        tf = (teacher_forced(engine, quality_prompts(engine, args.num_quality_prompts, args.quality_len))
+              if kv == "auto" else None)
         del engine
-    headers = ["variant", "weight MB", "cache B/token", *[f"tok/s b{b}" for b in args.batch_sizes],
-               "greedy agree", "KL"]
-    payload = {"bench": "quant", "machine": machine_info(), "model": args.model, "dtype": dtype,
+        base_tf, base_greedy = base_tf or tf, base_greedy or greedy
+        r["teacher_forced"] = compare_teacher_forced(base_tf, tf) if tf is not None else None
+        r["greedy_agreement"], r["greedy_mean_kl"] = compare_greedy(base_greedy, greedy)
+        results.append(r)
+    base = results[0]
+    for r in results:
+        r["allowed_speedup"] = base["weight_bytes_per_token"] / r["weight_bytes_per_token"]
+        r["speedup"] = {b: s / base["decode_tokens_per_s"][b] for b, s in r["decode_tokens_per_s"].items()}
+        r["share_of_allowed_b1"] = r["speedup"][1] / r["allowed_speedup"] if 1 in r["speedup"] else float("nan")
+        if r["teacher_forced"] is not None:
+            tf = r["teacher_forced"]
+            tf["perplexity_change"] = tf["perplexity"] / base["teacher_forced"]["perplexity"] - 1
+    config = {"batch_sizes": args.batch_sizes, "input_len": args.input_len, "output_len": args.output_len,
+              "prefill_len": args.prefill_len, "num_quality_prompts": args.num_quality_prompts,
+              "quality_len": args.quality_len}
+    payload = {"bench": "quant", "machine": machine_info(), "model": args.model, "dtype": dtype, "config": config,
                "results": results}
+    first, last = args.batch_sizes[0], args.batch_sizes[-1]
+    cost = format_table(
+        ["variant", "weight MB", "by format (MB)", "RSS MB", "cache B/token", "read MB/token", "allowed x",
+         *[f"tok/s b{b}" for b in args.batch_sizes], f"speed-up b{first}", "share of allowed", f"speed-up b{last}",
+         "prefill tok/s"],
+        [[r["variant"], r["weight_bytes"] / 1e6, _by_format_mb(r["weight_bytes_by_format"]), r["rss_bytes"] / 1e6,
+          r["cache_bytes_per_token"], r["weight_bytes_per_token"] / 1e6, r["allowed_speedup"],
+          *r["decode_tokens_per_s"].values(), r["speedup"][first], r["share_of_allowed_b1"], r["speedup"][last],
+          r["prefill_tokens_per_s"]] for r in results])
+    quality = format_table(
+        ["variant", "top-1 agree", "KL", "perplexity", "ppl change", "greedy agree", "greedy KL"],
+        [[r["variant"], *_tf_cells(r["teacher_forced"]), r["greedy_agreement"], r["greedy_mean_kl"]]
+         for r in results])
+    table = (f"quant  model={args.model} dtype={dtype} " + " ".join(f"{k}={v}" for k, v in config.items())
+             + f"\n{cost}\n\nteacher-forced over {args.num_quality_prompts} x {args.quality_len} validation tokens "
+             f"(top-1, KL(unquantised || variant), perplexity); greedy over {args.num_quality_prompts} x "
+             f"{args.output_len} generated tokens\n{quality}")
 
     def plot(path: str) -> None:
         fig, (speed_ax, bytes_ax) = new_figure(2)
@@ -114,18 +219,32 @@ def run_quant(args: argparse.Namespace) -> str:
                          width, label=f"batch {b}")
         speed_ax.set_title("decode tokens/s")
         speed_ax.legend()
-        bytes_ax.bar(names, [r["weight_bytes"] / 1e6 for r in results])
+        bytes_ax.bar(names, [r["weight_bytes"] / 1e6 for r in results], label="stored")
+        bytes_ax.bar(names, [r["weight_bytes_per_token"] / 1e6 for r in results], label="read per token")
         bytes_ax.set_title("weight MB")
+        bytes_ax.legend()
         for ax in (speed_ax, bytes_ax):
             ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         save_figure(fig, path)
 
-    return emit(args, payload, format_table(headers, rows), plot)
+    return emit(args, payload, table, plot)
+
+
+def _by_format_mb(by_format: dict[str, int]) -> str:
+    return ", ".join(f"{fmt} {n / 1e6:.4g}" for fmt, n in sorted(by_format.items(), key=lambda kv: -kv[1]))
+
+
+def _tf_cells(tf: dict | None) -> list:
+    if tf is None:
+        return ["-"] * 4
+    return [tf["top1_agreement"], tf["mean_kl"], tf["perplexity"], f"{100 * tf['perplexity_change']:+.2f}%"]
 
 
 def add_quant_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decode batches timed")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="decode batches timed")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens of the decode runs")
     parser.add_argument("--output-len", type=int, default=32, help="generated tokens per prompt")
+    parser.add_argument("--prefill-len", type=int, default=1024, help="tokens of the prompt whose prefill is timed")
     parser.add_argument("--num-quality-prompts", type=int, default=8,
-                        help="prompts compared with the unquantised model (agreement, KL)")
+                        help="validation windows compared with the unquantised model")
+    parser.add_argument("--quality-len", type=int, default=256, help="tokens of each teacher-forced window")

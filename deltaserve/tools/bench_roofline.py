@@ -6,10 +6,11 @@ Machine (per run, at the current torch thread count):
 - matmul throughput: N x N x N products, 2N^3 flops, in fp32, bf16 and int8 (torch._int_mm, int32 accumulate);
   a dtype this torch build cannot multiply is reported as NaN.
 Model (the engine on --model): B prompts of I tokens decoded for O tokens; decode_tokens_per_s = B / median step.
-Bytes one decode step must read (BENCHMARKS.md): the weights the batch's tokens touch (every dense weight; routed
-experts in the share E[distinct experts hit by B tokens routing top-k of E uniformly] / E; one embedding row per
-token; MTP heads excluded, decode does not run them), plus per sequence the KDA state read and written back
-(2 x one state slot) and the cache rows at the mean context of the decode phase (every page byte per token).
+Bytes one decode step must read (BENCHMARKS.md): the weights the batch's tokens touch (every dense weight, MX layers
+as stored; routed experts in the share E[distinct experts hit by B tokens routing top-k of E uniformly] / E; one
+embedding row per token unless tied to the LM head; MTP heads excluded, decode does not run them), plus per
+sequence the KDA state read and written back (2 x one state slot) and the cache rows at the mean context of the
+decode phase (every page byte per token).
 ceiling_tokens_per_s = B x bandwidth / bytes_per_step, with the same run's triad bandwidth;
 fraction = decode_tokens_per_s / ceiling_tokens_per_s.
 JSON: {"bench", "config", "machine", "runs": [...], "summary", "bytes_per_step", "weight_bytes_touched"}.
@@ -26,6 +27,8 @@ import torch
 from ..cache.state_slots import StateSlots
 from ..engine.config import EngineArgs
 from ..engine.llm_engine import LLMEngine
+from ..layers.moe import Experts
+from ..layers.quantized import MXExperts, MXLinear
 from ..models.loader import DTYPES
 from .bench import random_prompts
 from .bench_latency import latency_run
@@ -65,21 +68,32 @@ def matmul_flops(n: int, dtype: torch.dtype, repeats: int = 3) -> float:
 
 
 def weight_bytes_touched(model: torch.nn.Module, batch: int) -> int:
-    """Weight bytes a decode step of `batch` tokens reads (see the module docstring)."""
+    """Weight bytes a decode step of `batch` tokens reads: every stored weight once (an MX layer's elements and
+    scales, whatever its buffers are named), except the routed experts (Experts, MXExperts), read in the share
+    E[distinct experts hit by `batch` tokens routing top-k of E uniformly] / E (k/E at batch 1), and the embedding
+    table, one row per token, unless the LM head is the same tensor (tied: read in full). MTP heads are left out
+    (decode does not run them), and so are the buffers of other modules: tables read in part (rotary
+    frequencies), not weights. Each tensor counts once, at the largest share any module reads of it."""
     cfg = model.config
-    # expected distinct routed experts among `batch` tokens each picking top-k of E uniformly at random
     share = 1 - (1 - cfg.num_experts_per_token / cfg.num_experts) ** batch if cfg.num_experts else 1.0
-    total = 0.0
-    # buffers count only when they hold routed expert weights (packed quantised layouts); others are tables
-    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if ".experts." in n]
-    for name, t in tensors:
-        if name.startswith("mtp."):
+    sizes: dict[int, int] = {}
+    read: dict[int, float] = {}  # data_ptr -> share of the tensor read
+    for path, m in model.named_modules():
+        if path.split(".")[0] == "mtp":
             continue
-        if "embed_tokens" in name:
-            total += batch * t.nbytes / t.shape[0]
+        tensors = [*m.parameters(recurse=False)]
+        if isinstance(m, (MXLinear, MXExperts)):
+            tensors += m.buffers()
+        if isinstance(m, (Experts, MXExperts)):
+            part = share
+        elif isinstance(m, torch.nn.Embedding):
+            part = min(1.0, batch / m.num_embeddings)
         else:
-            total += share * t.nbytes if ".experts." in name else t.nbytes
-    return int(total)
+            part = 1.0
+        for t in tensors:
+            sizes[t.data_ptr()] = t.numel() * t.element_size()
+            read[t.data_ptr()] = max(read.get(t.data_ptr(), 0.0), part)
+    return int(sum(n * read[ptr] for ptr, n in sizes.items()))
 
 
 def run_roofline(args: argparse.Namespace) -> str:
