@@ -1,7 +1,7 @@
 """The native backend's programs (backends/native/program.py, native_src/stack.c) against the native modules they
 stand for, bit for bit (hidden states, KDA states, checkpoints, latent pages; DSA layers to bf16 rounding: the block
 computes the indexer key's LayerNorm and the gate in C) on the tiny presets of each family and on every kind of step:
-pure decode (few and many rows), prefill chunks, chunks cut by a prefix-cache snapshot, quantised layers, caches the
+pure decode (few and many rows), prefill chunks, chunks cut by a prefix-cache snapshot, MX layers, caches the
 blocks cannot read, no cache; rebuilds on weight and cache changes; errors; engines whose greedy tokens through the
 programs are those of the modules."""
 
@@ -161,27 +161,61 @@ def test_a_decode_program_of_native_layers_is_one_call(make_checkpoint):
     assert program.registers == 2
 
 
-def test_quantised_layers_run_their_modules_inside_the_program(make_checkpoint, monkeypatch):
-    """With the routed experts in MXFP4, no MoE FFN block applies: the program runs those sub-blocks' modules between
-    the native attention blocks, with the modules' result. With every attention linear in MXFP8 as well, no
-    sub-block is native and the modules run the step."""
+@pytest.mark.parametrize("quantization", ["w4a8-mxfp4", "w8a8-mxfp8", "mxfp"])
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "k3-tiny"])
+@pytest.mark.parametrize("slots", [[2], [4, 1, 2, 0], list(range(17, -1, -1))])
+def test_mx_decode_program_equals_the_modules(make_checkpoint, monkeypatch, slots, preset, quantization):
+    """MX layers in the blocks (their `mx` slots: the modules' own column matrices): decode steps of 1, 4 and 18
+    sequences through the program and through the native modules agree bit for bit (DSA layers, which keep their
+    modules under an MX scheme, to bf16 rounding), states and pages included."""
     taken = count_programs(monkeypatch)
-    model, backend = native_model(make_checkpoint("kimi-linear-tiny"), quantization="w4a8-mxfp4")
-    caches = twin_caches(model, 5)
-    ids = torch.tensor([3, 8])
+    model, backend = native_model(make_checkpoint(preset), quantization=quantization)
+    sequences = max(slots) + 1
+    pages = (4 + 2 + sequences) // 16 + 1
+    program_cache, module_cache = twin_caches(model, len(slots), pages, sequences=sequences)
+    g = torch.Generator().manual_seed(5)
     with torch.inference_mode():
-        batches = [decode_batch(c, [0, 1], 4, model.config) for c in caches]
-        got, want = run_step(model, backend, ids, batches[0], True), run_step(model, backend, ids, batches[1], False)
+        for step in range(2):
+            ids = torch.randint(0, model.config.vocab_size, (len(slots),), generator=g)
+            got = run_step(model, backend, ids, decode_batch(program_cache, slots, 4 + step, model.config, pages), True)
+            want = run_step(model, backend, ids, decode_batch(module_cache, slots, 4 + step, model.config, pages),
+                            False)
+            _assert_same(got, want, preset in DSA_PRESETS, f"step {step}")
+            assert_caches_equal(program_cache, module_cache, keys_close=preset in DSA_PRESETS)
+    assert taken == [True] * 2
+
+
+@pytest.mark.parametrize("quantization", ["w4a8-mxfp4", "mxfp"])
+@pytest.mark.parametrize("snapshots", [[[(5, 0)], [], [(12, 2)]]])
+def test_mx_chunk_program_equals_the_modules(make_checkpoint, monkeypatch, snapshots, quantization):
+    """Prefill chunks and a decode token (18 rows) with MX layers: the KDA and FFN blocks take MX products at every
+    row count, as the modules do."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint("kimi-linear-tiny"), quantization=quantization)
+    caches = twin_caches(model, 3)
+    for cache in caches:
+        cache.checkpoints = StateSlots(model.config, 3)
+    ids = torch.randint(0, model.config.vocab_size, (18,), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        got = run_step(model, backend, ids, _chunk_batch(caches[0], snapshots), True)
+        want = run_step(model, backend, ids, _chunk_batch(caches[1], snapshots), False)
     assert torch.equal(got, want)
     assert_caches_equal(*caches)
-    program = write_program(model, StepKind.of(batches[0], 2), backend.programs.plans, caches[0])
-    kinds = [k for seg in program.segments for k in (seg.kinds or [seg.node.kind])]
-    assert "ffn-modules" in kinds and "kda" in kinds and "mla" in kinds
-    model, backend = native_model(make_checkpoint("kimi-linear-tiny"), quantization="mxfp")
-    cache = twin_caches(model, 5)[0]
-    assert write_program(model, StepKind.of(decode_batch(cache, [0], 4, model.config), 1), backend.programs.plans,
-                         cache) is None
     assert taken == [True]
+
+
+def test_mx_layers_run_in_the_native_blocks(make_checkpoint):
+    """Under every MX scheme a Kimi-Linear decode step is one program of native blocks (KDA, MLA and FFN blocks
+    over MX weights), with no module between them; an MX layer whose weights the kernels cannot take (the fp32
+    model keeps the torch MX forms) leaves its sub-block to the modules."""
+    for quantization in ("w4a8-mxfp4", "w8a8-mxfp8", "mxfp"):
+        model, backend = native_model(make_checkpoint("kimi-linear-tiny"), quantization=quantization)
+        cache = twin_caches(model, 5)[0]
+        program = write_program(model, StepKind.of(decode_batch(cache, [0, 1], 4, model.config), 2),
+                                backend.programs.plans, cache)
+        kinds = [k for seg in program.segments for k in (seg.kinds or [seg.node.kind])]
+        assert {"kda", "mla", "ffn"} <= set(kinds) and not any(k.endswith("-modules") for k in kinds), kinds
+        assert len(program.segments) == 1
 
 
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "deepseek-v32-tiny"])

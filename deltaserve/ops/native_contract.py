@@ -54,6 +54,11 @@ ISA_AVX512F, ISA_AVX512BF16, ISA_AMX_BF16, ISA_AVX2, ISA_FMA = 1, 2, 4, 8, 16
 # How a column-packed matrix (`MxMatrix.format`) stores its weights: bf16 (`pack_columns`), or MX codes in the same
 # order with E8M0 scales beside them (`pack_mx_columns`: MXFP8-E4M3, MXFP4-E2M1).
 MAT_BF16, MAT_E4M3, MAT_E2M1 = 0, 1, 2
+# The MX weight slots of a block's `mx` array (0 for a block over bf16 packs; a slot whose data is 0 keeps the bf16
+# pack of that weight): the KDA block's q, k, v, f_a, b and gate input projections, f_b, g_b and o_proj; the MLA
+# block's q_proj, kv_a_proj and o_proj; the FFN block's routed stacks w1, w3, w2, the shared or dense MLP's gate,
+# up and down, and K3's latent down and up projections.
+KDA_MX_SLOTS, MLA_MX_SLOTS, MOE_MX_SLOTS = 9, 3, 8
 # How a product quantises its input rows (`MxMatrix.act`): not at all, or to MXFP8-E4M3 per 32 with the block
 # scale of this rule (ops/mx.py ScaleMode), then back to bf16 (exact: every MXFP8 value is a bf16).
 ACT_NONE, ACT_FLOOR, ACT_RCEIL, ACT_CEIL, ACT_EVEN = 0, 1, 2, 3, 4
@@ -61,7 +66,7 @@ ACT_NONE, ACT_FLOOR, ACT_RCEIL, ACT_CEIL, ACT_EVEN = 0, 1, 2, 3, 4
 CONSTANTS = {name: globals()[name] for name in ("LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "TILE_MIN_ROWS",
                                                 "MAX_MIX_SOURCES", "SOP_KDA", "SOP_MLA", "SOP_DSA", "SOP_FFN",
                                                 "SOP_MIX", "ISA_AVX512F", "ISA_AVX512BF16", "ISA_AMX_BF16",
-                                                "ISA_AVX2", "ISA_FMA", "MAT_BF16", "MAT_E4M3",
+                                                "ISA_AVX2", "ISA_FMA", "MAT_BF16", "MAT_E4M3", "KDA_MX_SLOTS", "MLA_MX_SLOTS", "MOE_MX_SLOTS",
                                                 "MAT_E2M1", "ACT_NONE", "ACT_FLOOR", "ACT_RCEIL", "ACT_CEIL",
                                                 "ACT_EVEN")}
 
@@ -88,6 +93,7 @@ def pointer(c: str) -> CType:
 
 BF16S, FLOATS, F32_OUT, I64S, ANY, ANY_OUT = map(pointer, ("const bf16 *", "const float *", "float *",
                                                          "const int64_t *", "const void *", "void *"))
+MX_SLOTS = pointer("const mx_matrix *")  # a block's MX weights: an array of MxMatrix (its address)
 
 
 def _layout(cls):
@@ -138,6 +144,7 @@ class KdaBlock(ctypes.Structure):
         ("conv_w", FLOATS, "[3 H K, W]"), ("onorm_w", FLOATS, ""), ("w_o", BF16S, ""),
         ("c_in", BF16S, ""), ("c_fb", BF16S, ""), ("c_gb", BF16S, ""), ("c_o", BF16S, ""),
         ("eps", F32, ""), ("onorm_eps", F32, ""), ("lower_bound", F32, "NaN: none"), ("scale", F32, ""),
+        ("mx", MX_SLOTS, "[KDA_MX_SLOTS]; 0: bf16 packs"),
     ]
 
 
@@ -160,6 +167,7 @@ class MoeBlock(ctypes.Structure):
         ("w_up", BF16S, ""), ("c_s1", BF16S, ""), ("c_s3", BF16S, ""), ("c_s2", BF16S, ""),
         ("eps", F32, ""), ("routed_scale", F32, ""), ("situ_beta", F32, ""),
         ("situ_linear_beta", F32, "NaN: none"), ("latent_eps", F32, ""),
+        ("mx", MX_SLOTS, "[MOE_MX_SLOTS]; 0: bf16 packs"),
     ]
 
 
@@ -176,6 +184,7 @@ class MlaBlock(ctypes.Structure):
         ("w_uk", BF16S, ""), ("w_uv", BF16S, ""), ("w_o", BF16S, ""),
         ("c_q", BF16S, ""), ("c_kva", BF16S, ""), ("c_uk", BF16S, ""), ("c_uv", BF16S, ""), ("c_o", BF16S, ""),
         ("eps", F32, ""), ("kva_eps", F32, ""), ("scale", F32, ""),
+        ("mx", MX_SLOTS, "[MLA_MX_SLOTS]; 0: bf16 packs"),
     ]
 
 

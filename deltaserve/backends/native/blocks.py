@@ -9,7 +9,8 @@ sigmoid and index scores in C, equal to fp32 rounding.
 A layer's `Plan` per sub-block says which module it fuses, the weights its descriptor reads, how to build that
 descriptor (a struct of ops/native_contract.py: dimensions, the packed weights' addresses, epsilons and scales,
 rebuilt when a weight changes) and the most rows it takes. A plan exists when every part of the sub-block runs on the
-native kernels (native modules: bf16 weights, unquantised) and its form is one the blocks compute:
+native kernels (native modules: bf16 weights, or MX weights the kernels decode: a block's `mx` slots then point at
+the modules' own column matrices, so no weight is copied) and its form is one the blocks compute:
 * KDA attention, on any step whose prefix-cache snapshots fall at its sequences' ends;
 * Kimi's dense NoPE MLA over paged bf16/fp32 latents, on a pure decode step;
 * a DSA layer (K3's NoPE, DeepSeek-V3.2's RoPE) over plain bf16/fp32 latent and index-key pages, on a pure decode step
@@ -17,7 +18,9 @@ native kernels (native modules: bf16 weights, unquantised) and its form is one t
 * the FFN: a routed MoE and/or a shared or dense MLP, on any step (`LINEAR_MAX_ROWS` rows for K3's latent MoE,
   whose down and up projections are plain linears).
 Above `LINEAR_MAX_ROWS` rows the blocks' products read the column packs (`MLP_MAX_ROWS` for the dense and shared
-MLPs), as the modules' products do, so one form of each product runs at each row count.
+MLPs), as the modules' products do, so one form of each product runs at each row count. An MX weight takes the MX
+product at every row count, as its module does. The KDA and MLA blocks take their projections all bf16 or all MX;
+the DSA block bf16 only (its stacked q_a / kv_a / indexer product mixes the two under MX schemes).
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from ...layers.mla import MLAttention
 from ...layers.mlp import MLP
 from ...layers.moe import MoE
 from ...layers.norm import RMSNorm
-from ...ops.native_contract import LINEAR_MAX_ROWS, DsaBlock, KdaBlock, MlaBlock, MoeBlock
+from ...ops.native import ColumnMatrix
+from ...ops.native_contract import (KDA_MX_SLOTS, LINEAR_MAX_ROWS, MLA_MX_SLOTS, MOE_MX_SLOTS, DsaBlock, KdaBlock,
+                                    MlaBlock, MoeBlock, MxMatrix)
 from .modules import (NativeExperts, NativeKimiDeltaAttention, NativeLinear, NativeMLAttention, NativeMLP, NativeMoE,
-                      NativeRMSNorm, NativeRouter, situ_params)
+                      NativeMXExperts, NativeMXLinear, NativeRMSNorm, NativeRouter, situ_params)
 
 # The most rows a KDA, dense MLA or plain FFN block takes: it caps a block's scratch (~25 KiB a row on
 # kimi-linear-small's KDA block). Above LINEAR_MAX_ROWS their products read the column packs, as the modules do.
@@ -50,8 +55,41 @@ def address(t: torch.Tensor | None) -> int:
 def _all_native(*modules: torch.nn.Module | None) -> bool:
     """Every module exists and runs on the native kernels (a quantised one does not)."""
     native = (NativeLinear, NativeRMSNorm, NativeRouter, NativeExperts, NativeMLP, NativeMoE, NativeKimiDeltaAttention,
-              NativeMLAttention)
+              NativeMLAttention, NativeMXLinear, NativeMXExperts)
     return all(m is not None and type(m) in native for m in modules)
+
+
+def _one_kind(*linears: torch.nn.Module) -> bool:
+    """The linears are all bf16 (NativeLinear) or all MX (NativeMXLinear): a stacked product serves them."""
+    kinds = {type(m) for m in linears}
+    return kinds == {NativeLinear} or kinds == {NativeMXLinear}
+
+
+def _mx_mlp(mlp: MLP) -> bool:
+    return any(type(m) is NativeMXLinear for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+def _weight(m: torch.nn.Module) -> torch.Tensor:
+    """The tensor a linear's products read (a plan's source: the descriptor is rebuilt when it changes)."""
+    return m.weight_columns if type(m) is NativeMXLinear else m.weight
+
+
+def _expert_stacks(experts: torch.nn.Module) -> list[torch.Tensor]:
+    if type(experts) is NativeMXExperts:
+        return [experts.w1_columns, experts.w3_columns, experts.w2_columns]
+    return [experts.w1, experts.w3, experts.w2]
+
+
+def _attach_slots(block: ctypes.Structure, count: int, matrices: dict[int, ColumnMatrix]) -> list:
+    """Point the block's `mx` at an array whose slot i holds matrices[i] (zero for a weight kept as a bf16 pack;
+    no array when every weight is); returns what the descriptor must keep alive."""
+    if not matrices:
+        return []
+    slots = (MxMatrix * count)()
+    for i, m in matrices.items():
+        slots[i] = m.struct()
+    block.mx = ctypes.addressof(slots)
+    return [slots, *(m.data for m in matrices.values()), *(m.scales for m in matrices.values() if m.scales is not None)]
 
 
 class Descriptor:
@@ -86,36 +124,49 @@ def attention_plan(attn: torch.nn.Module, norm: RMSNorm) -> Plan | None:
 
 
 def _kda_descriptor(attn: KimiDeltaAttention, norm: RMSNorm) -> Descriptor:
-    """The block's descriptor (`KdaBlock`) over the layer's current packed weights."""
+    """The block's descriptor (`KdaBlock`) over the layer's current weights: the stacked input projections as one
+    bf16 pack pair or as MX slots; f_b, g_b and o_proj each as its bf16 packs or its MX slot."""
     c = attn.config
-    inputs = [m.weight for m in attn.input_linears()]
-    w_in, c_in = attn.input_packs.rows(inputs), attn.input_packs.columns(inputs)
-    w_fb, w_o, c_fb, c_o = attn.f_b_proj.row_pack(), attn.o_proj.row_pack(), attn.f_b_proj.column_pack(), \
-        attn.o_proj.column_pack()
-    w_gb, c_gb = (None, None) if c.kda_full_rank_gate else (attn.g_b_proj.row_pack(), attn.g_b_proj.column_pack())
+    keep: list = [norm.weight]
+    mx: dict[int, ColumnMatrix] = {}
+    packs: dict[str, int] = {}
+    inputs = attn.input_linears()
+    if type(inputs[0]) is NativeMXLinear:
+        mx.update((i, m.columns()) for i, m in enumerate(inputs))
+    else:
+        weights = [m.weight for m in inputs]
+        w_in, c_in = attn.input_packs.rows(weights), attn.input_packs.columns(weights)
+        keep += [w_in, c_in]
+        packs.update(w_in=w_in.data_ptr(), c_in=c_in.data_ptr())
+    gb = None if c.kda_full_rank_gate else attn.g_b_proj
+    for slot, name, m in ((6, "fb", attn.f_b_proj), (7, "gb", gb), (8, "o", attn.o_proj)):
+        if m is None:
+            continue
+        if type(m) is NativeMXLinear:
+            mx[slot] = m.columns()
+        else:
+            rows, cols = m.row_pack(), m.column_pack()
+            keep += [rows, cols]
+            packs.update({f"w_{name}": rows.data_ptr(), f"c_{name}": cols.data_ptr()})
     dt_bias, a_log = attn.dt_bias.detach().float().contiguous(), attn.A_log.detach().float().contiguous()
     conv_w, o_norm = attn._conv_weight(), attn.o_norm.weight.detach().float().contiguous()
-    n_in = sum(m.out_features for m in attn.input_linears())
-    keep = [t for t in (norm.weight, w_in, w_fb, w_gb, dt_bias, a_log, conv_w, o_norm, w_o, c_in, c_fb, c_gb, c_o)
-            if t is not None]
+    keep += [dt_bias, a_log, conv_w, o_norm]
     lower = c.kda_gate_lower_bound
     block = KdaBlock(
-        hidden=c.hidden_size, heads=attn.H, head_dim=attn.K, conv_width=attn.W, in_width=n_in,
-        norm_w=norm.weight.data_ptr(), w_in=w_in.data_ptr(), w_fb=w_fb.data_ptr(), w_gb=address(w_gb),
-        dt_bias=dt_bias.data_ptr(), a_log=a_log.data_ptr(), conv_w=conv_w.data_ptr(), onorm_w=o_norm.data_ptr(),
-        w_o=w_o.data_ptr(), c_in=c_in.data_ptr(), c_fb=c_fb.data_ptr(), c_gb=address(c_gb), c_o=c_o.data_ptr(),
-        eps=norm.eps, onorm_eps=c.rms_norm_eps, lower_bound=math.nan if lower is None else lower,
-        scale=attn.K ** -0.5)
-    return Descriptor(block, keep)
+        hidden=c.hidden_size, heads=attn.H, head_dim=attn.K, conv_width=attn.W,
+        in_width=sum(m.out_features for m in inputs), norm_w=norm.weight.data_ptr(), dt_bias=dt_bias.data_ptr(),
+        a_log=a_log.data_ptr(), conv_w=conv_w.data_ptr(), onorm_w=o_norm.data_ptr(), eps=norm.eps,
+        onorm_eps=c.rms_norm_eps, lower_bound=math.nan if lower is None else lower, scale=attn.K ** -0.5, **packs)
+    return Descriptor(block, keep + _attach_slots(block, KDA_MX_SLOTS, mx))
 
 
 def _kda_plan(attn: KimiDeltaAttention, norm: RMSNorm) -> Plan | None:
     linears = [*attn.input_linears(), attn.f_b_proj, attn.o_proj]
     if not attn.config.kda_full_rank_gate:
         linears.append(attn.g_b_proj)
-    if not _all_native(attn, norm, *linears):
+    if not (_all_native(attn, norm, *linears) and _one_kind(*attn.input_linears())):
         return None
-    sources = [norm.weight, attn.dt_bias, attn.A_log, attn.o_norm.weight, *(m.weight for m in linears),
+    sources = [norm.weight, attn.dt_bias, attn.A_log, attn.o_norm.weight, *(_weight(m) for m in linears),
                *(conv.weight for conv in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d))]
     return Plan("kda", attn, sources, lambda: _kda_descriptor(attn, norm), BLOCK_MAX_ROWS)
 
@@ -130,27 +181,33 @@ def _mla_linears(attn: MLAttention) -> list[torch.nn.Module] | None:
 
 
 def _mla_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor:
-    """The block's descriptor (`MlaBlock`) over the layer's current packed weights."""
-    linears = (attn.q_proj, attn.kv_a_proj_with_mqa, attn.o_proj)
-    w_q, w_kva, w_o = (m.row_pack() for m in linears)
-    c_q, c_kva, c_o = (m.column_pack() for m in linears)
+    """The block's descriptor (`MlaBlock`) over the layer's current weights: q_proj, kv_a_proj and o_proj each as
+    its bf16 packs or its MX slot."""
     (w_uk, w_uv), (c_uk, c_uv) = attn.kv_b_packs(columns=False), attn.kv_b_packs(columns=True)
     kva_norm = attn.kv_a_layernorm
-    keep = [norm.weight, w_q, w_kva, kva_norm.weight, w_uk, w_uv, w_o, c_q, c_kva, c_uk, c_uv, c_o]
     block = MlaBlock(
         hidden=attn.config.hidden_size, heads=attn.H, nope=attn.n, rope=attn.rho, v_dim=attn.v, rank=attn.r,
-        norm_w=norm.weight.data_ptr(), w_q=w_q.data_ptr(), w_kva=w_kva.data_ptr(),
-        kva_norm_w=kva_norm.weight.data_ptr(), w_uk=w_uk.data_ptr(), w_uv=w_uv.data_ptr(), w_o=w_o.data_ptr(),
-        c_q=c_q.data_ptr(), c_kva=c_kva.data_ptr(), c_uk=c_uk.data_ptr(), c_uv=c_uv.data_ptr(), c_o=c_o.data_ptr(),
-        eps=norm.eps, kva_eps=kva_norm.eps, scale=attn.scale)
-    return Descriptor(block, keep)
+        norm_w=norm.weight.data_ptr(), kva_norm_w=kva_norm.weight.data_ptr(), w_uk=w_uk.data_ptr(),
+        w_uv=w_uv.data_ptr(), c_uk=c_uk.data_ptr(), c_uv=c_uv.data_ptr(), eps=norm.eps, kva_eps=kva_norm.eps,
+        scale=attn.scale)
+    keep: list = [norm.weight, kva_norm.weight, w_uk, w_uv, c_uk, c_uv]
+    mx: dict[int, ColumnMatrix] = {}
+    for slot, name, m in ((0, "q", attn.q_proj), (1, "kva", attn.kv_a_proj_with_mqa), (2, "o", attn.o_proj)):
+        if type(m) is NativeMXLinear:
+            mx[slot] = m.columns()
+        else:
+            rows, cols = m.row_pack(), m.column_pack()
+            keep += [rows, cols]
+            setattr(block, f"w_{name}", rows.data_ptr())
+            setattr(block, f"c_{name}", cols.data_ptr())
+    return Descriptor(block, keep + _attach_slots(block, MLA_MX_SLOTS, mx))
 
 
 def _mla_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
     parts = _mla_linears(attn)
-    if parts is None or not _all_native(attn, norm, *parts):
+    if parts is None or not _all_native(attn, norm, *parts) or type(parts[3]) is not NativeLinear:
         return None
-    return Plan("mla", attn, [norm.weight, *(m.weight for m in parts)], lambda: _mla_descriptor(attn, norm),
+    return Plan("mla", attn, [norm.weight, *(_weight(m) for m in parts)], lambda: _mla_descriptor(attn, norm),
                 BLOCK_MAX_ROWS)
 
 
@@ -158,7 +215,8 @@ def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
     """A DSA layer with query LoRA on the MLAPO path (K3's NoPE; DeepSeek-V3.2's RoPE, the indexer's rotated part
     as wide as the MLA's) with bf16 weights and norms."""
     c = attn.config
-    if (c.q_lora_rank is None or not attn._fusable() or not _all_native(attn, norm, attn.o_proj)
+    if (c.q_lora_rank is None or not attn._fusable() or type(attn.o_proj) is not NativeLinear
+            or not _all_native(attn, norm)
             or attn.indexer.rope_dim not in (0, attn.rho) or (attn.rotary is not None and not c.uses_rope)):
         return None
     ix = attn.indexer
@@ -202,14 +260,16 @@ def ffn_plan(ffn: torch.nn.Module, norm: RMSNorm, config: ModelConfig) -> Plan |
     latent = _latent_parts(moe) if moe is not None else []
     parts = [norm, *([moe.gate, moe.experts, *latent] if moe is not None else []),
              *([mlp.gate_proj, mlp.up_proj, mlp.down_proj] if mlp is not None else [])]
-    if not _all_native(*parts):  # a quantised part keeps the modules
+    if not _all_native(*parts):  # a part the kernels do not take keeps the modules
+        return None
+    if mlp is not None and _mx_mlp(mlp) and mlp.column_matrices() is None:
         return None
     sources = [norm.weight]
     if moe is not None:
-        sources += [moe.gate.weight, moe.gate.e_score_correction_bias, moe.experts.w1, moe.experts.w3,
-                    moe.experts.w2, *(m.weight for m in latent)]
+        sources += [moe.gate.weight, moe.gate.e_score_correction_bias, *_expert_stacks(moe.experts),
+                    *(_weight(m) if isinstance(m, (NativeLinear, NativeMXLinear)) else m.weight for m in latent)]
     if mlp is not None:
-        sources += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        sources += [_weight(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     max_rows = LINEAR_MAX_ROWS if moe is not None and moe.latent else BLOCK_MAX_ROWS
     return Plan("ffn", ffn, sources, lambda: _ffn_descriptor(config, norm, moe, mlp), max_rows)
 
@@ -223,36 +283,53 @@ def _latent_parts(moe: MoE) -> list[torch.nn.Module]:
 
 
 def _ffn_descriptor(c: ModelConfig, norm: RMSNorm, moe: MoE | None, mlp: MLP | None) -> Descriptor:
-    """The block's descriptor (`MoeBlock`): fields of absent parts stay 0."""
-    keep: list[torch.Tensor] = [norm.weight]
+    """The block's descriptor (`MoeBlock`): fields of absent parts stay 0; MX parts (routed stacks, the MLP's
+    linears, each latent projection) in the `mx` slots, their bf16 fields 0."""
+    keep: list = [norm.weight]
+    mx: dict[int, ColumnMatrix] = {}
     situ = situ_params(c)
     block = MoeBlock(hidden=c.hidden_size, norm_w=norm.weight.data_ptr(), situ=int(situ is not None), eps=norm.eps,
                      routed_scale=c.routed_scaling_factor, situ_beta=situ[0] if situ else 0.0,
                      situ_linear_beta=math.nan if situ is None or situ[1] is None else situ[1])
     if moe is not None:
         router_w, bias = moe.gate.weight_f32(), moe.gate.bias_f32()
-        w1, w3, w2 = stacks = moe.experts.column_packs()
-        keep += [router_w, bias, *stacks]
-        block.experts, block.expert_width, block.topk = c.num_experts, moe.experts.w1.shape[1], c.num_experts_per_token
+        keep += [router_w, bias]
+        block.experts, block.topk = c.num_experts, c.num_experts_per_token
         block.router_w, block.router_bias = router_w.data_ptr(), bias.data_ptr()
         block.softmax, block.renorm = int(c.router_activation != "sigmoid"), int(c.moe_renormalize)
         block.groups, block.topk_group = c.num_expert_group, c.topk_group
-        block.w1, block.w3, block.w2 = w1.data_ptr(), w3.data_ptr(), w2.data_ptr()
+        if type(moe.experts) is NativeMXExperts:
+            stacks = moe.experts.column_matrices()
+            mx.update(enumerate(stacks))
+            block.expert_width = stacks[0].shape[-2]
+        else:
+            w1, w3, w2 = stacks = moe.experts.column_packs()
+            keep += list(stacks)
+            block.expert_width = moe.experts.w1.shape[1]
+            block.w1, block.w3, block.w2 = w1.data_ptr(), w3.data_ptr(), w2.data_ptr()
     if mlp is not None:
         linears = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        (s1, s3, s2), (c_s1, c_s3, c_s2) = [m.row_pack() for m in linears], [m.column_pack() for m in linears]
-        keep += [s1, s3, s2, c_s1, c_s3, c_s2]
         block.shared_width = mlp.gate_proj.out_features
-        block.s1, block.s3, block.s2 = s1.data_ptr(), s3.data_ptr(), s2.data_ptr()
-        block.c_s1, block.c_s3, block.c_s2 = c_s1.data_ptr(), c_s3.data_ptr(), c_s2.data_ptr()
+        if _mx_mlp(mlp):  # as NativeMLP runs it: the expert kernel over its column matrices (MX or bf16 packs)
+            mx.update({3 + j: m for j, m in enumerate(mlp.column_matrices())})
+        else:
+            (s1, s3, s2), (c_s1, c_s3, c_s2) = [m.row_pack() for m in linears], [m.column_pack() for m in linears]
+            keep += [s1, s3, s2, c_s1, c_s3, c_s2]
+            block.s1, block.s3, block.s2 = s1.data_ptr(), s3.data_ptr(), s2.data_ptr()
+            block.c_s1, block.c_s3, block.c_s2 = c_s1.data_ptr(), c_s3.data_ptr(), c_s2.data_ptr()
     if moe is not None and moe.latent:
-        down, up = moe.routed_expert_down_proj.row_pack(), moe.routed_expert_up_proj.row_pack()
-        keep += [down, up]
-        block.latent, block.w_down, block.w_up = moe.latent, down.data_ptr(), up.data_ptr()
+        block.latent = moe.latent
+        for slot, field, proj in ((6, "w_down", moe.routed_expert_down_proj), (7, "w_up", moe.routed_expert_up_proj)):
+            if type(proj) is NativeMXLinear:
+                mx[slot] = proj.columns()
+            else:
+                pack = proj.row_pack()
+                keep.append(pack)
+                setattr(block, field, pack.data_ptr())
         if moe.routed_expert_norm is not None:
             keep.append(moe.routed_expert_norm.weight)
             block.latent_norm_w = moe.routed_expert_norm.weight.data_ptr()
             block.latent_eps = moe.routed_expert_norm.eps
-    return Descriptor(block, keep)
+    return Descriptor(block, keep + _attach_slots(block, MOE_MX_SLOTS, mx))
 
 

@@ -13,16 +13,23 @@
  * as the linears' own `native_product` picks them by row count (backends/packs.py): the row-packed dot tiles
  * (`rows`) up to LINEAR_MAX_ROWS rows, the column pack (`cols`, on the tile unit where there is one) above. The
  * two forms sum in other fp32 orders, so a block takes the form its module would. A block that runs only a few
- * rows (the DSA block, K3's latent projections) passes no column pack (NULL): the dot tiles at any count. */
-static void product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *rows, const bf16 *cols, int64_t N,
-                    bf16 *y, int nthreads) {
-    if (M <= LINEAR_MAX_ROWS || cols == NULL) {
+ * rows (the DSA block, K3's latent projections) passes no column pack (NULL): the dot tiles at any count. A weight
+ * stored MX (mx not NULL) takes the MX product at every count, as its module does (backends/native/modules.py
+ * NativeMXLinear). */
+static void product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const bf16 *rows, const bf16 *cols,
+                    const mx_matrix *mx, int64_t N, bf16 *y, int nthreads) {
+    if (mx) {
+        mx_product(x, M, ldx, K, mx, N, y, N, 1, nthreads);
+    } else if (M <= LINEAR_MAX_ROWS || cols == NULL) {
         linear_task task = {.w = rows, .ldw = -1, .n = N, .y = y, .ldy = N, .x = x, .ldx = ldx};
         ds_linear_bf16(M, K, 1, &task, nthreads);
     } else {
         ds_linear_columns(x, M, ldx, K, cols, N, y, 1, nthreads);
     }
 }
+
+/* Slot i of a block's MX weights (native_contract.py KDA_MX_SLOTS...), or NULL when that weight is a bf16 pack. */
+static inline const mx_matrix *mx_slot(const mx_matrix *mx, int i) { return mx && mx[i].data ? &mx[i] : NULL; }
 
 /* out = bf16(r + a), or out = a when there is no r; 16 lanes at a time, over the threads when there are more than
  * 4,096 elements (a prefill chunk's rows). */
@@ -50,7 +57,7 @@ void ds_kda_block(const kda_block *d, const bf16 *xin, const bf16 *r, int64_t N,
                   const int64_t *cu_rows, const int64_t *slots, float *conv, int64_t conv_stride, float *rec,
                   int64_t rec_stride, bf16 *out, int nthreads) {
     int64_t D = d->hidden, H = d->heads, K = d->head_dim, W = d->conv_width, NIN = d->in_width, P = H * K;
-    int full_rank = d->w_gb == NULL;
+    int full_rank = d->w_gb == NULL && mx_slot(d->mx, 7) == NULL;
     /* one allocation a buffer: a prefill chunk's scratch in one piece (~50 MiB at 2,048 rows) would pass glibc's
      * largest mmap threshold (32 MiB) and be mapped, and faulted in, afresh on every call (engine/heap.py) */
     bf16 *x = malloc(sizeof(bf16) * (size_t)(N * D)), *y = malloc(sizeof(bf16) * (size_t)(N * NIN));
@@ -62,15 +69,25 @@ void ds_kda_block(const kda_block *d, const bf16 *xin, const bf16 *r, int64_t N,
     for (int64_t i = 0; i <= nseq; i++) cu[i] = cu_rows ? cu_rows[i] : i;
 
     ds_rmsnorm_bf16(xin, N, D, D, d->norm_w, d->eps, x, nthreads);
-    product(x, N, D, D, d->w_in, d->c_in, NIN, y, nthreads);
+    if (mx_slot(d->mx, 0)) { /* MX input projections: one product each (their modules'), into the stacked columns */
+        int64_t widths[6] = {P, P, P, K, H, NIN - 3 * P - K - H};
+        for (int64_t i = 0, at = 0; i < 6; at += widths[i++])
+            mx_product(x, N, D, D, &d->mx[i], widths[i], y + at, NIN, 1, nthreads);
+    } else {
+        product(x, N, D, D, d->w_in, d->c_in, NULL, NIN, y, nthreads);
+    }
     const bf16 *f_a = y + 3 * P, *b = f_a + K, *g_in = b + H;
-    if (N <= LINEAR_MAX_ROWS) { /* both gate products in one call */
+    const mx_matrix *fb_mx = mx_slot(d->mx, 6), *gb_mx = mx_slot(d->mx, 7);
+    if (fb_mx || gb_mx) {
+        product(f_a, N, NIN, K, d->w_fb, d->c_fb, fb_mx, P, u, nthreads);
+        if (!full_rank) product(g_in, N, NIN, K, d->w_gb, d->c_gb, gb_mx, P, gate, nthreads);
+    } else if (N <= LINEAR_MAX_ROWS) { /* both gate products in one call */
         linear_task gate_tasks[2] = {{.w = d->w_fb, .ldw = -1, .n = P, .y = u, .ldy = P, .x = f_a, .ldx = NIN},
                                      {.w = d->w_gb, .ldw = -1, .n = P, .y = gate, .ldy = P, .x = g_in, .ldx = NIN}};
         ds_linear_bf16(N, K, full_rank ? 1 : 2, gate_tasks, nthreads);
     } else {
-        product(f_a, N, NIN, K, d->w_fb, d->c_fb, P, u, nthreads);
-        if (!full_rank) product(g_in, N, NIN, K, d->w_gb, d->c_gb, P, gate, nthreads);
+        product(f_a, N, NIN, K, d->w_fb, d->c_fb, NULL, P, u, nthreads);
+        if (!full_rank) product(g_in, N, NIN, K, d->w_gb, d->c_gb, NULL, P, gate, nthreads);
     }
     if (full_rank) /* the gate's rows, contiguous for the per-head norm */
         for (int64_t i = 0; i < N; i++) memcpy(gate + i * P, g_in + i * NIN, sizeof(bf16) * (size_t)P);
@@ -78,7 +95,7 @@ void ds_kda_block(const kda_block *d, const bf16 *xin, const bf16 *r, int64_t N,
     ds_kda_step(nseq, cu, H, K, y, NIN, 1, d->conv_w, W, conv, conv_stride, g, beta, d->scale, rec, rec_stride,
                 slots, core, nthreads);
     ds_gated_rmsnorm_bf16(core, N * H, K, gate, K, d->onorm_w, d->onorm_eps, o, nthreads);
-    product(o, N, P, P, d->w_o, d->c_o, D, a, nthreads);
+    product(o, N, P, P, d->w_o, d->c_o, mx_slot(d->mx, 8), D, a, nthreads);
     residual_add(r, a, N * D, out, nthreads);
     void *buffers[] = {x, y, u, gate, o, a, g, core, beta, cu};
     for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
@@ -110,25 +127,36 @@ int ds_moe_block(const moe_block *d, const bf16 *xin, const bf16 *r, int64_t T, 
     int64_t *experts = malloc(sizeof(int64_t) * (size_t)(T * (k > 1 ? k : 1)));
     float *weights = malloc(sizeof(float) * (size_t)(T * (k > 1 ? k : 1)));
     /* above MLP_MAX_ROWS a plain MoE's shared MLP runs in the routed experts' pass, as layers/moe.py does: its
-     * compute-bound products overlap the experts' weight stream, where a separate call would run them after it */
-    int bad = 0, in_pass = E > 0 && L == 0 && IS > 0 && T > MLP_MAX_ROWS;
+     * compute-bound products overlap the experts' weight stream, where a separate call would run them after it.
+     * MX routed experts take it at every count, and bf16 ones never take an MX one (as NativeMoE does). */
+    const mx_matrix *routed_mx = mx_slot(d->mx, 0), *shared_mx = mx_slot(d->mx, 3);
+    int bad = 0, in_pass = E > 0 && L == 0 && IS > 0 && (routed_mx ? 1 : !shared_mx && T > MLP_MAX_ROWS);
     ds_rmsnorm_bf16(xin, T, D, D, d->norm_w, d->eps, x, nthreads);
     if (E > 0) {
         bad = ds_router(x, T, D, D, d->router_w, d->router_bias, E, (int)d->softmax, d->groups, d->topk_group, k,
                         (int)d->renorm, d->routed_scale, experts, weights, nthreads);
         if (L > 0)
-            product(x, T, D, D, d->w_down, NULL, L, xe, nthreads);
-        if (!bad)
+            product(x, T, D, D, d->w_down, NULL, mx_slot(d->mx, 6), L, xe, nthreads);
+        if (!bad && routed_mx) {
+            mx_matrix sh[3];
+            for (int j = 0; j < 3; j++) /* the shared MLP as the expert kernel reads it: MX, or its column packs */
+                sh[j] = shared_mx ? d->mx[3 + j]
+                                  : (mx_matrix){j == 0 ? d->c_s1 : j == 1 ? d->c_s3 : d->c_s2, NULL, MAT_BF16, ACT_NONE};
+            bad = ds_mx_moe(L > 0 ? xe : x, T, DE, experts, weights, k, &d->mx[0], &d->mx[1], &d->mx[2], E, I, act,
+                            d->situ_beta, d->situ_linear_beta, &sh[0], &sh[1], &sh[2], in_pass ? IS : 0, 1,
+                            L > 0 ? ye : routed, nthreads);
+        } else if (!bad) {
             bad = ds_moe_bf16(L > 0 ? xe : x, T, DE, experts, weights, k, d->w1, d->w3, d->w2, E, I, 2, act,
                               d->situ_beta, d->situ_linear_beta, d->c_s1, d->c_s3, d->c_s2, in_pass ? IS : 0, 1,
                               hbuf, L > 0 ? ye : routed, nthreads);
+        }
         if (!bad && L > 0) {
             const bf16 *latent_out = ye;
             if (d->latent_norm_w) {
                 ds_rmsnorm_bf16(ye, T, L, L, d->latent_norm_w, d->latent_eps, yn, nthreads);
                 latent_out = yn;
             }
-            product(latent_out, T, L, L, d->w_up, NULL, D, routed, nthreads);
+            product(latent_out, T, L, L, d->w_up, NULL, mx_slot(d->mx, 7), D, routed, nthreads);
         }
     }
     if (!bad && IS > 0 && !in_pass) {
@@ -137,9 +165,13 @@ int ds_moe_block(const moe_block *d, const bf16 *xin, const bf16 *r, int64_t T, 
             weights[t] = 1.f;
         }
         int cols = T > MLP_MAX_ROWS;
-        ds_moe_bf16(x, T, D, experts, weights, 1, cols ? d->c_s1 : d->s1, cols ? d->c_s3 : d->s3,
-                    cols ? d->c_s2 : d->s2, 1, IS, cols ? 2 : 1, act, d->situ_beta, d->situ_linear_beta, NULL, NULL,
-                    NULL, 0, 1, hbuf + (E > 0 ? T * k * I : 0), shared, nthreads);
+        if (shared_mx)
+            ds_mx_moe(x, T, D, experts, weights, 1, &d->mx[3], &d->mx[4], &d->mx[5], 1, IS, act, d->situ_beta,
+                      d->situ_linear_beta, NULL, NULL, NULL, 0, 1, shared, nthreads);
+        else
+            ds_moe_bf16(x, T, D, experts, weights, 1, cols ? d->c_s1 : d->s1, cols ? d->c_s3 : d->s3,
+                        cols ? d->c_s2 : d->s2, 1, IS, cols ? 2 : 1, act, d->situ_beta, d->situ_linear_beta, NULL,
+                        NULL, NULL, 0, 1, hbuf + (E > 0 ? T * k * I : 0), shared, nthreads);
         if (E > 0)
             residual_add(routed, shared, T * D, routed, nthreads);
         else
@@ -232,13 +264,16 @@ int ds_mla_block(const mla_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
     bf16 *q = x + N * D, *ckv = q + N * QW, *row = ckv + N * CW, *vals = row + N * CW, *a = vals + N * H * V;
 
     ds_rmsnorm_bf16(xin, N, D, D, d->norm_w, d->eps, x, nthreads);
-    if (N <= LINEAR_MAX_ROWS) { /* q_proj and kv_a_proj in one call */
+    if (mx_slot(d->mx, 0) || mx_slot(d->mx, 1)) {
+        product(x, N, D, D, d->w_q, d->c_q, mx_slot(d->mx, 0), QW, q, nthreads);
+        product(x, N, D, D, d->w_kva, d->c_kva, mx_slot(d->mx, 1), CW, ckv, nthreads);
+    } else if (N <= LINEAR_MAX_ROWS) { /* q_proj and kv_a_proj in one call */
         linear_task proj[2] = {{.w = d->w_q, .ldw = -1, .n = QW, .y = q, .ldy = QW, .x = x, .ldx = D},
                                {.w = d->w_kva, .ldw = -1, .n = CW, .y = ckv, .ldy = CW, .x = x, .ldx = D}};
         ds_linear_bf16(N, D, 2, proj, nthreads);
     } else {
-        product(x, N, D, D, d->w_q, d->c_q, QW, q, nthreads);
-        product(x, N, D, D, d->w_kva, d->c_kva, CW, ckv, nthreads);
+        product(x, N, D, D, d->w_q, d->c_q, NULL, QW, q, nthreads);
+        product(x, N, D, D, d->w_kva, d->c_kva, NULL, CW, ckv, nthreads);
     }
     ds_rmsnorm_bf16(ckv, N, R, CW, d->kva_norm_w, d->kva_eps, row, nthreads);
     for (int64_t i = N - 1; i >= 0; i--) { /* rows [c | k_pe]: c came out packed [N, R], spread it from the back */
@@ -251,7 +286,7 @@ int ds_mla_block(const mla_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
     int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, wide ? d->c_uk : d->w_uk, wide ? d->c_uv : d->w_uv,
                               selected, nsel, pages, ld, nrows, pages_bf16, d->scale, vals, nthreads);
     if (!bad) {
-        product(vals, N, H * V, H * V, d->w_o, d->c_o, D, a, nthreads);
+        product(vals, N, H * V, H * V, d->w_o, d->c_o, mx_slot(d->mx, 2), D, a, nthreads);
         residual_add(r, a, N * D, out, nthreads);
     }
     free(x);
@@ -286,7 +321,7 @@ static int64_t *index_select(const dsa_block *d, const bf16 *cq, const bf16 *A, 
     bf16 *iq = malloc(sizeof(bf16) * (size_t)(N * HI * DI));
     float *w = malloc(sizeof(float) * (size_t)HI);
     int64_t *chosen = malloc(sizeof(int64_t) * (size_t)(N * TOPK));
-    product(cq, N, d->q_rank, d->q_rank, d->w_iq, NULL, HI * DI, iq, nthreads);
+    product(cq, N, d->q_rank, d->q_rank, d->w_iq, NULL, NULL, HI * DI, iq, nthreads);
     for (int64_t i = 0; i < N; i++) {
         if (cos_sin != NULL && IROPE > 0)
             for (int64_t h = 0; h < HI; h++)
@@ -328,9 +363,9 @@ int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
     bf16 *vals = ik + N * DI, *gated = vals + N * H * V, *a = gated + N * H * V;
 
     ds_rmsnorm_bf16(xin, N, D, D, d->norm_w, d->eps, x, nthreads);
-    product(x, N, D, D, d->w_a, NULL, NA, A, nthreads);
+    product(x, N, D, D, d->w_a, NULL, NULL, NA, A, nthreads);
     ds_rmsnorm_bf16(A, N, RQ, NA, d->qa_norm_w, d->q_eps, cq, nthreads);
-    product(cq, N, RQ, RQ, d->w_qb, NULL, QW, q, nthreads);
+    product(cq, N, RQ, RQ, d->w_qb, NULL, NULL, QW, q, nthreads);
     ds_rmsnorm_bf16(A + KV0, N, R, NA, d->kva_norm_w, d->kv_eps, row, nthreads);
     for (int64_t i = N - 1; i >= 0; i--) { /* rows [c | k_pe], as in ds_mla_block */
         memmove(row + i * CW, row + i * R, sizeof(bf16) * (size_t)R);
@@ -374,7 +409,7 @@ int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
                 }
             o = gated;
         }
-        product(o, N, H * V, H * V, d->w_o, NULL, D, a, nthreads);
+        product(o, N, H * V, H * V, d->w_o, NULL, NULL, D, a, nthreads);
         residual_add(r, a, N * D, out, nthreads);
     }
     free(x);

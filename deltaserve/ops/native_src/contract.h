@@ -22,6 +22,9 @@
 #define ISA_FMA 16
 #define MAT_BF16 0
 #define MAT_E4M3 1
+#define KDA_MX_SLOTS 9
+#define MLA_MX_SLOTS 3
+#define MOE_MX_SLOTS 8
 #define MAT_E2M1 2
 #define ACT_NONE 0
 #define ACT_FLOOR 1
@@ -79,6 +82,7 @@ typedef struct {
     float onorm_eps;
     float lower_bound; /* NaN: none */
     float scale;
+    const mx_matrix *mx; /* [KDA_MX_SLOTS]; 0: bf16 packs */
 } kda_block;
 
 /* ds_moe_block: a layer's FFN block, routed experts (experts > 0, column-packed stacks; latent > 0: K3's latent form
@@ -115,6 +119,7 @@ typedef struct {
     float situ_beta;
     float situ_linear_beta; /* NaN: none */
     float latent_eps;
+    const mx_matrix *mx; /* [MOE_MX_SLOTS]; 0: bf16 packs */
 } moe_block;
 
 /* ds_mla_block: Kimi's dense NoPE MLA block. W_UK^T and W_UV packed per head; each weight row-packed (w_*) and column-
@@ -141,6 +146,7 @@ typedef struct {
     float eps;
     float kva_eps;
     float scale;
+    const mx_matrix *mx; /* [MLA_MX_SLOTS]; 0: bf16 packs */
 } mla_block;
 
 /* ds_dsa_block: a DSA layer's block (query LoRA), its weights row-packed only. w_a stacks q_a (q_rank) | kv_a (rank +

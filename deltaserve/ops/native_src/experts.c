@@ -311,11 +311,11 @@ void ds_linear_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const b
 void ds_heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const bf16 *w,
                       int64_t N, bf16 *out, int tiles, int nthreads) {
     mx_matrix m = {w, NULL, MAT_BF16, ACT_NONE};
-    heads_columns(x, M, ldx, hx, H, K, &m, N, out, tiles, nthreads);
+    heads_columns(x, M, ldx, hx, H, K, &m, N, out, H * N, tiles, nthreads);
 }
 
 void heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const mx_matrix *w,
-                   int64_t N, bf16 *out, int tiles, int nthreads) {
+                   int64_t N, bf16 *out, int64_t ldy, int tiles, int nthreads) {
     const bf16 **rows = malloc(sizeof(bf16 *) * (size_t)(H * M));
     for (int64_t h = 0; h < H; h++)
         for (int64_t i = 0; i < M; i++) rows[h * M + i] = x + h * hx + i * ldx;
@@ -331,7 +331,7 @@ void heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H,
             int64_t n0 = b * COL_BLOCK, n = N - n0 < COL_BLOCK ? N - n0 : COL_BLOCK;
             mx_matrix wh = mx_at(w, h, N, K);
             rows_product(rows + h * M, x + h * hx, ldx, M, &wh, b, K, tiles, acc, wd);
-            for (int64_t i = 0; i < M; i++) round_row(acc + i * COL_BLOCK, n, out + i * H * N + h * N + n0);
+            for (int64_t i = 0; i < M; i++) round_row(acc + i * COL_BLOCK, n, out + i * ldy + h * N + n0);
         }
         free(acc);
         free(wd);
@@ -345,6 +345,17 @@ static int mx_shape_ok(const mx_matrix *w, int64_t K) {
            w->format >= MAT_BF16 && w->format <= MAT_E2M1 && w->act >= ACT_NONE && w->act <= ACT_EVEN;
 }
 
+void mx_product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *w, int64_t N, bf16 *y,
+                int64_t ldy, int tiles, int nthreads) {
+    bf16 *xq = NULL;
+    if (w->act != ACT_NONE) {
+        xq = malloc(sizeof(bf16) * (size_t)(M * K));
+        ds_mx_quantize_rows(x, M, K, ldx, (int)w->act, xq, nthreads);
+    }
+    heads_columns(xq ? xq : x, M, xq ? K : ldx, 0, 1, K, w, N, y, ldy, tiles, nthreads);
+    free(xq);
+}
+
 /* ds_linear_columns over any column-packed matrix w (bf16, or MX: mx.c), its input rows first quantised to MXFP8
  * per 32 when w->act says so: out = bf16(xq W^T), W the exactly decoded weights, summed in fp32 (the reference twin
  * ops/mx_linear.py mx_linear_ref, up to the order of the sum). Returns 0, or -3 (nothing computed) for a K the
@@ -352,13 +363,7 @@ static int mx_shape_ok(const mx_matrix *w, int64_t K) {
 int ds_mx_linear(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *w, int64_t N, bf16 *out,
                  int tiles, int nthreads) {
     if (!mx_shape_ok(w, K)) return -3;
-    bf16 *xq = NULL;
-    if (w->act != ACT_NONE) {
-        xq = malloc(sizeof(bf16) * (size_t)(M * K));
-        ds_mx_quantize_rows(x, M, K, ldx, (int)w->act, xq, nthreads);
-    }
-    heads_columns(xq ? xq : x, M, xq ? K : ldx, 0, 1, K, w, N, out, tiles, nthreads);
-    free(xq);
+    mx_product(x, M, ldx, K, w, N, out, N, tiles, nthreads);
     return 0;
 }
 

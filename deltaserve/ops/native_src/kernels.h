@@ -30,9 +30,14 @@ void moe_columns(const bf16 *const *xrows, const int64_t *order, const int64_t *
                  int64_t nused, int64_t T, int64_t D, int64_t k, const float *weights, const mx_matrix *w1,
                  const mx_matrix *w3, const mx_matrix *w2, int64_t I, const shared_expert *sh, const glu_act *act,
                  int tiles, bf16 *h, bf16 *out, int nthreads);
-/* experts.c: ds_heads_columns over any column-packed matrix (bf16 or MX; inputs as the caller gives them). */
+/* experts.c: ds_heads_columns over any column-packed matrix (bf16 or MX; inputs as the caller gives them), head h's
+ * outputs of row i at out + i * ldy + h * N; and mx_product, ds_mx_linear's product (its input rows quantised as w
+ * says, on the tile unit where `tiles` and usable) into y [M, N] at row stride ldy (the blocks' MX products; K as the format
+ * needs, which the caller has checked). */
 void heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H, int64_t K, const mx_matrix *w,
-                   int64_t N, bf16 *out, int tiles, int nthreads);
+                   int64_t N, bf16 *out, int64_t ldy, int tiles, int nthreads);
+void mx_product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *w, int64_t N, bf16 *y,
+                int64_t ldy, int tiles, int nthreads);
 /* mx.c: the bytes of one column-packed [N, K] matrix's data and scales, matrix e of a stack, the bf16 pairs
  * [p0, p1) of block b of a matrix (decoded from MX codes: dst [p1 - p0][64][2]), and MXFP8 fake quantisation of
  * n values (a multiple of 32) of a bf16 row in place, by ACT_* rule. */
