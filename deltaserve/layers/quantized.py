@@ -91,8 +91,9 @@ def is_dense_target(module_path: str, in_features: int) -> bool:
 
 class MXLinear(nn.Module):
     """A bias-free linear over an MX weight: `weight` float8 [N, K] (MXFP8) or `weight_packed` uint8 [N, K/2]
-    (MXFP4), and `weight_scale` uint8 [N, K/32] — buffers named as in compressed-tensors checkpoints. The weight
-    dequantised in the activations' dtype is cached on first use (exact; see ops/mx_linear.py)."""
+    (MXFP4), and `weight_scale` uint8 [N, K/32] — buffers named as in compressed-tensors checkpoints. This torch form
+    caches the weight dequantised in the activations' dtype on first use (exact; see ops/mx_linear.py); the native
+    backend's form (backends/native/modules.py NativeMXLinear) keeps only the stored bytes."""
 
     def __init__(self, in_features: int, out_features: int, scheme: MXScheme):
         super().__init__()
