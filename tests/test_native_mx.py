@@ -65,6 +65,14 @@ def test_decoding_is_exact_at_the_ends_of_the_scale_range(fmt):
     cols = native.mx_unpack_block(m, 0).transpose(0, 1).reshape(64, K)[:4]
     ref = dequantize_mx(data, scale, fmt, torch.float32)
     assert torch.equal(cols.float(), ref) and torch.equal(cols.float().signbit(), ref.signbit())
+    # the products scale their sums by the same powers of two: one row (scales applied to the fp32 sums) and
+    # eight (the decoded block), against the exact product; inputs sized so each result is a normal fp32
+    for n in range(4):
+        one = native.mx_columns(data[n:n + 1], scale[n:n + 1], fmt)
+        size = 2.0 ** max(-100, min(100, 127 - int(scale[n, 0])))
+        for M in (1, 8):
+            x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * size).to(torch.bfloat16)
+            _assert_product(native.linear_mx(x, one), x, ref[n:n + 1])
 
 
 def test_weights_the_decoder_cannot_build_exactly_are_refused():

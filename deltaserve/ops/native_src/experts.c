@@ -128,7 +128,8 @@ static inline int64_t decode_scratch(const mx_matrix *w, int64_t K) {
     return w->format == MAT_BF16 ? 0 : pairs_of(K) * 2 * COL_BLOCK;
 }
 
-/* bf16_rows_product over block b of any column-packed matrix w (mx.c). An MX block is decoded into `scratch`
+/* bf16_rows_product over block b of any column-packed matrix w (mx.c). Up to MX_FEW_ROWS rows (off the tile unit)
+ * take mx_block_few, which decodes in registers. Otherwise an MX block is decoded into `scratch`
  * (decode_scratch elements): for up to TILED_TOKENS rows on the pair products a chunk of K_CHUNK pairs at a time,
  * each serving every token tile from L1 as block_product's chunks do; for more rows, or on the tile unit, the
  * whole block once, which the bf16 product then reads as its one block. */
@@ -139,6 +140,12 @@ static void rows_product(const bf16 *const *rows, const bf16 *x, int64_t ld, int
         return;
     }
     int64_t pairs = pairs_of(K);
+#if MX_FEW_ROWS
+    if (m <= MX_FEW_ROWS && !(tiles && m >= TILE_MIN_ROWS)) {
+        mx_block_few(rows, (int)m, w, b, K, acc);
+        return;
+    }
+#endif
     if ((tiles && m >= TILE_MIN_ROWS) || m > TILED_TOKENS) {
         mx_decode_pairs(w, b, 0, pairs, K, scratch);
         bf16_rows_product(rows, x, ld, m, scratch, 0, K, tiles, acc);

@@ -46,6 +46,14 @@ int64_t mx_scale_bytes(int64_t format, int64_t N, int64_t K);
 mx_matrix mx_at(const mx_matrix *w, int64_t e, int64_t N, int64_t K);
 void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int64_t K, bf16 *dst);
 void mx_quantize_row(bf16 *x, int64_t n, int act);
+/* mx.c: acc [m][64] = m <= MX_FEW_ROWS rows x (K bf16 each, K a multiple of 32) times MX block b of w, its codes
+ * decoded in registers and the scales applied per 32 of K to the fp32 sums (AVX-512 BF16 builds; others 0). */
+#if defined(__AVX512BF16__)
+#define MX_FEW_ROWS 4
+void mx_block_few(const bf16 *const *x, int m, const mx_matrix *w, int64_t b, int64_t K, float *acc);
+#else
+#define MX_FEW_ROWS 0
+#endif
 /* tiles.c: products of TILE_MIN_ROWS rows and more take the AMX tile unit (ds_tiles_usable), the AVX512-BF16 pair
  * products otherwise. tile_block_product is experts.c's block_product for rows at a stride over K's whole groups
  * of 32: acc [m][64] = x [m] (stride ldx) times block b of column-packed w [N, K], pairs [0, 16 (K / 32)) only;
