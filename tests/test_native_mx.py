@@ -293,3 +293,33 @@ def test_mx_layers_of_an_fp32_model_keep_their_torch_forms(make_checkpoint):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4,
                                                                           ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_k3_release_mxfp4_experts_run_natively(make_checkpoint):
+    """A K3 checkpoint with its routed experts stored `mxfp4-pack-quantized` (W4A16: inputs not quantised) loads
+    without flags into NativeMXExperts on the native backend and serves; its teacher-forced logprobs part from the
+    torch backend's no more than the same checkpoint's do with bf16 experts (a random tiny model turns any bf16
+    difference into drift along the sequence, so the bf16 pair is the yardstick)."""
+    from deltaserve.backends.native.modules import NativeMXExperts
+    from engine_utils import assert_pools_free, make_llm
+    from deltaserve.engine.sampling_params import SamplingParams
+
+    ids = torch.randint(3, 700, (40,), generator=torch.Generator().manual_seed(2))
+    drift = {}
+    for mxfp4 in (True, False):
+        path = make_checkpoint("k3-tiny", mxfp4_experts=mxfp4)
+        logprobs = {}
+        for backend in ("native", "torch"):
+            llm = make_llm(path, dtype="bfloat16", backend=backend)
+            experts = [m for m in llm.engine.model.modules() if isinstance(m, MXExperts)]
+            assert bool(experts) == mxfp4 and all(m.scheme.act is None for m in experts)
+            assert all((type(m) is NativeMXExperts) == (backend == "native") for m in experts)
+            with torch.no_grad():
+                logprobs[backend] = llm.engine.model.reference_logits(ids).float().log_softmax(-1)
+            out = llm.generate([ids.tolist()], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                               use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 4
+            assert_pools_free(llm.engine)
+        drift[mxfp4] = (logprobs["native"] - logprobs["torch"]).abs().mean().item()
+    print(f"k3-tiny native vs torch |Δ logprob| mean: MXFP4 experts {drift[True]:.4f}, bf16 {drift[False]:.4f}")
+    assert drift[True] < 2 * drift[False] + 0.01
