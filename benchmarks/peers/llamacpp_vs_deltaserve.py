@@ -27,7 +27,8 @@ B (O - 1) / (total - TTFT); output tokens/s = B O / total. Ratios deltaserve / l
 then median [min, max] over runs. Token agreement per pair as in hf_vs_deltaserve.py (ids compared directly: both
 engines get and return token ids, so the tokenizers do not enter). Prefill: one --prefill-len prompt per run,
 llama.cpp's llama_decode of the whole prompt vs deltaserve's time to first token of the same prompt. Sizes: each
-GGUF's file bytes beside each deltaserve variant's weight bytes as loaded (engine/summary.py, by format).
+GGUF's file bytes and tensor bytes (llama_model_size) beside each deltaserve variant's weight bytes as loaded
+(engine/summary.py, by format).
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                                        enable_prefix_caching=False, kv_cache_memory=args.kv_cache_memory,
                                        quantization=None if d == "none" else d)) for d in schemes}
     hf = hfp.load_hf(args.checkpoint, args.dtype) if args.with_transformers else None
-    sizes = {"llamacpp": {lc: {"file_bytes": os.path.getsize(path)} for lc, path in ggufs.items()},
+    sizes = {"llamacpp": {lc: {"file_bytes": os.path.getsize(path), "weight_bytes": llamas[lc].info["model_bytes"],
+                               "desc": llamas[lc].info["desc"]} for lc, path in ggufs.items()},
              "deltaserve": {d: {"weight_bytes": weight_bytes(e.model), "by_format": weight_bytes_by_format(e.model)}
                             for d, e in engines.items()}}
     vocab, special = next(iter(engines.values())).config.vocab_size, 256
@@ -236,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"checkpoint={args.checkpoint} llama-cpp-python={version} dtype={args.dtype} threads={args.threads} "
           f"input_len={args.input_len} output_len={args.output_len} runs={args.runs}")
-    print(format_table(["variant", "file", "MB", "by format (MB)"],
-                       [[f"llama.cpp {lc}", Path(path).name, sizes["llamacpp"][lc]["file_bytes"] / 1e6, "GGUF file"]
-                        for lc, path in ggufs.items()] +
+    print(format_table(["variant", "GGUF file MB", "weight MB", "by format (MB) / llama.cpp's description"],
+                       [[f"llama.cpp {lc}", s["file_bytes"] / 1e6, s["weight_bytes"] / 1e6, s["desc"]]
+                        for lc, s in sizes["llamacpp"].items()] +
                        [[ds_name(d), "", s["weight_bytes"] / 1e6,
                          ", ".join(f"{k} {v / 1e6:.1f}" for k, v in s["by_format"].items())]
                         for d, s in sizes["deltaserve"].items()]))
