@@ -2,6 +2,7 @@
 
 Reads one JSON request per line on stdin, answers one JSON line on stdout:
   {"op": "init", "gguf": PATH, "threads": 2, "n_seq_max": 32, "n_ctx": 8192, "n_batch": 4096}
+      -> {"ok", "version", "n_vocab", "model_bytes" (all tensors), "desc" (llama.cpp's "arch size type" line)}
   {"op": "generate", "prompts": [[ids...], ...], "output_len": O}
       -> {"ttft_s", "total_s", "tokens": [[ids...], ...]}   greedy (argmax of the logits), no eos stop
   {"op": "prefill", "prompt": [ids...]} -> {"prefill_s"}   one sequence, llama_decode of the whole prompt
@@ -15,6 +16,7 @@ them. The memory (KV cells and recurrent KDA states) is cleared before every req
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 import time
@@ -94,7 +96,10 @@ def main() -> int:
         try:
             if req["op"] == "init":
                 runner = Runner(req["gguf"], req["threads"], req["n_seq_max"], req["n_ctx"], req["n_batch"])
-                ans = {"ok": True, "version": L.__version__, "n_vocab": runner.n_vocab}
+                desc = ctypes.create_string_buffer(128)
+                L.llama_model_desc(runner.model, desc, len(desc))
+                ans = {"ok": True, "version": L.__version__, "n_vocab": runner.n_vocab,
+                       "model_bytes": L.llama_model_size(runner.model), "desc": desc.value.decode()}
             elif req["op"] == "generate":
                 ans = runner.generate(req["prompts"], req["output_len"])
             elif req["op"] == "prefill":
