@@ -69,10 +69,9 @@ void ds_kda_block(const kda_block *d, const bf16 *xin, const bf16 *r, int64_t N,
     for (int64_t i = 0; i <= nseq; i++) cu[i] = cu_rows ? cu_rows[i] : i;
 
     ds_rmsnorm_bf16(xin, N, D, D, d->norm_w, d->eps, x, nthreads);
-    if (mx_slot(d->mx, 0)) { /* MX input projections: one product each (their modules'), into the stacked columns */
+    if (mx_slot(d->mx, 0)) { /* MX input projections, each column as its module's product, into the stacked columns */
         int64_t widths[6] = {P, P, P, K, H, NIN - 3 * P - K - H};
-        for (int64_t i = 0, at = 0; i < 6; at += widths[i++])
-            mx_product(x, N, D, D, &d->mx[i], widths[i], y + at, NIN, 1, nthreads);
+        mx_products(x, N, D, D, d->mx, widths, 6, y, NIN, 1, nthreads);
     } else {
         product(x, N, D, D, d->w_in, d->c_in, NULL, NIN, y, nthreads);
     }
@@ -264,7 +263,16 @@ int ds_mla_block(const mla_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
     bf16 *q = x + N * D, *ckv = q + N * QW, *row = ckv + N * CW, *vals = row + N * CW, *a = vals + N * H * V;
 
     ds_rmsnorm_bf16(xin, N, D, D, d->norm_w, d->eps, x, nthreads);
-    if (mx_slot(d->mx, 0) || mx_slot(d->mx, 1)) {
+    if (mx_slot(d->mx, 0) && mx_slot(d->mx, 1)) { /* one pass over both, into [q | ckv] of each row */
+        int64_t widths[2] = {QW, CW};
+        bf16 *qc = malloc(sizeof(bf16) * (size_t)(N * (QW + CW)));
+        mx_products(x, N, D, D, d->mx, widths, 2, qc, QW + CW, 1, nthreads);
+        for (int64_t i = 0; i < N; i++) {
+            memcpy(q + i * QW, qc + i * (QW + CW), sizeof(bf16) * (size_t)QW);
+            memcpy(ckv + i * CW, qc + i * (QW + CW) + QW, sizeof(bf16) * (size_t)CW);
+        }
+        free(qc);
+    } else if (mx_slot(d->mx, 0) || mx_slot(d->mx, 1)) {
         product(x, N, D, D, d->w_q, d->c_q, mx_slot(d->mx, 0), QW, q, nthreads);
         product(x, N, D, D, d->w_kva, d->c_kva, mx_slot(d->mx, 1), CW, ckv, nthreads);
     } else if (N <= LINEAR_MAX_ROWS) { /* q_proj and kv_a_proj in one call */

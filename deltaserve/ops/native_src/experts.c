@@ -363,6 +363,51 @@ void mx_product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matri
     free(xq);
 }
 
+void mx_products(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *ws, const int64_t *widths, int n,
+                 bf16 *y, int64_t ldy, int tiles, int nthreads) {
+    int64_t items = 0, scratch = 0, first[MX_MAX_PIECES + 1], at[MX_MAX_PIECES];
+    int alike = n <= MX_MAX_PIECES;
+    for (int i = 0; alike && i < n; i++) {
+        alike = ws[i].act == ws[0].act;
+        first[i] = items, at[i] = i ? at[i - 1] + widths[i - 1] : 0;
+        items += (widths[i] + COL_BLOCK - 1) / COL_BLOCK;
+        if (decode_scratch(&ws[i], K) > scratch) scratch = decode_scratch(&ws[i], K);
+    }
+    if (!alike) { /* each its own pass */
+        for (int i = 0, col = 0; i < n; col += (int)widths[i++])
+            mx_product(x, M, ldx, K, &ws[i], widths[i], y + col, ldy, tiles, nthreads);
+        return;
+    }
+    first[n] = items;
+    bf16 *xq = NULL;
+    if (ws[0].act != ACT_NONE) {
+        xq = malloc(sizeof(bf16) * (size_t)(M * K));
+        ds_mx_quantize_rows(x, M, K, ldx, (int)ws[0].act, xq, nthreads);
+    }
+    const bf16 *in = xq ? xq : x;
+    int64_t ld = xq ? K : ldx;
+    const bf16 **rows = malloc(sizeof(bf16 *) * (size_t)M);
+    for (int64_t r = 0; r < M; r++) rows[r] = in + r * ld;
+    tiles = tiles && ds_tiles_usable();
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *acc = malloc(sizeof(float) * (size_t)(M * COL_BLOCK));
+        bf16 *wd = scratch ? malloc(sizeof(bf16) * (size_t)scratch) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            int i = 0;
+            while (item >= first[i + 1]) i++;
+            int64_t b = item - first[i], n0 = b * COL_BLOCK, cols = widths[i] - n0 < COL_BLOCK ? widths[i] - n0 : COL_BLOCK;
+            rows_product(rows, in, ld, M, &ws[i], b, K, tiles, acc, wd);
+            for (int64_t r = 0; r < M; r++) round_row(acc + r * COL_BLOCK, cols, y + r * ldy + at[i] + n0);
+        }
+        free(acc);
+        free(wd);
+    }
+    free(rows);
+    free(xq);
+}
+
 /* ds_linear_columns over any column-packed matrix w (bf16, or MX: mx.c), its input rows first quantised to MXFP8
  * per 32 when w->act says so: out = bf16(xq W^T), W the exactly decoded weights, summed in fp32 (the reference twin
  * ops/mx_linear.py mx_linear_ref, up to the order of the sum). Returns 0, or -3 (nothing computed) for a K the

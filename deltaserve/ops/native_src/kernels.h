@@ -38,6 +38,12 @@ void heads_columns(const bf16 *x, int64_t M, int64_t ldx, int64_t hx, int64_t H,
                    int64_t N, bf16 *out, int64_t ldy, int tiles, int nthreads);
 void mx_product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *w, int64_t N, bf16 *y,
                 int64_t ldy, int tiles, int nthreads);
+/* experts.c: mx_product of n <= MX_MAX_PIECES matrices [widths[i], K] over the same rows, their outputs side by side
+ * in y (row stride ldy), in one parallel pass over all their column blocks with the input quantised once (each
+ * column as mx_product gives it; matrices that quantise their inputs differently run one pass each). */
+#define MX_MAX_PIECES 8
+void mx_products(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *ws, const int64_t *widths, int n,
+                 bf16 *y, int64_t ldy, int tiles, int nthreads);
 /* mx.c: the bytes of one column-packed [N, K] matrix's data and scales, matrix e of a stack, the bf16 pairs
  * [p0, p1) of block b of a matrix (decoded from MX codes: dst [p1 - p0][64][2]), and MXFP8 fake quantisation of
  * n values (a multiple of 32) of a bf16 row in place, by ACT_* rule. */
