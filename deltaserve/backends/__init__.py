@@ -41,8 +41,9 @@ class Backend:
 def adopt(model: torch.nn.Module, forms: dict[type, type], takes: Callable[[torch.nn.Module], bool]) -> int:
     """Give every module whose exact class is a key of `forms`, and that `takes` accepts, the class it maps to (a
     subclass that runs the same math another way), then `attach()` the state that class keeps. The module keeps its
-    identity, parameters and state dict; quantized or other variants (not the exact class) are left alone. Returns
-    how many modules changed."""
+    identity, parameters and state dict, except the MX forms, which keep their weights' bytes only in the kernels'
+    order, under other buffer names (backends/native/modules.py); other variants (not an exact key class) are left
+    alone. Returns how many modules changed."""
     changed = 0
     for module in list(model.modules()):
         form = forms.get(type(module))

@@ -14,9 +14,12 @@ with the model-dtype cache, and the C8 cache (int8, fp8) with unquantised weight
     variant bytes: what a decode bound by reading weights could gain;
   * decode tokens/s at each --batch-sizes (random prompts of --input-len, greedy, decode phase only, one warm-up
     batch), and prefill tokens/s: one random prompt of --prefill-len tokens over its time to first token (after one
-    warm-up prompt of the same length);
-  * against the unquantised variant: the decode speed-up at each batch, and at batch 1 the share of the allowed
-    speed-up reached (measured / allowed);
+    warm-up prompt of the same length). Speed is taken in --rounds rounds, each building every variant's engine in
+    turn and timing it, so the machine's bandwidth, which moves from minute to minute, moves a round's variants
+    alike; the figures are the medians over rounds;
+  * against the unquantised variant: the decode and prefill speed-ups, each the median over rounds of the variant's
+    figure over the unquantised one's of the same round, and at batch 1 the share of the allowed speed-up reached
+    (measured / allowed);
   * quality against the unquantised engine, teacher-forced: --num-quality-prompts windows of --quality-len tokens
     of the shipped validation text, one cacheless forward per window on the variant's own model and backend (so its
     quantisation applies); at every position with a next token: top-1 agreement (same argmax), mean
@@ -145,31 +148,44 @@ def prefill_tokens_per_s(engine: LLMEngine, length: int) -> float:
     return length / (run["first"]["prefill-0"] - run["start"])
 
 
-def measure(engine: LLMEngine, args: argparse.Namespace) -> dict:
-    """The variant's own figures (bytes, speed, its teacher-forced and greedy outputs); comparisons come later."""
-    config, pages = engine.config, engine.core.pages
-    speed = {}
+def speed(engine: LLMEngine, args: argparse.Namespace) -> dict:
+    """One round's speed figures of a variant: decode tokens/s at each batch and prefill tokens/s."""
+    vocab, decode = engine.config.vocab_size, {}
     for batch in args.batch_sizes:
-        latency_run(engine, random_prompts(config.vocab_size, batch, args.input_len, 99), 2, f"warm{batch}")
-        run, _ = latency_run(engine, random_prompts(config.vocab_size, batch, args.input_len, batch),
-                             args.output_len, f"speed{batch}")
-        speed[batch] = run["decode_tokens_per_s"]
+        latency_run(engine, random_prompts(vocab, batch, args.input_len, 99), 2, f"warm{batch}")
+        run, _ = latency_run(engine, random_prompts(vocab, batch, args.input_len, batch), args.output_len,
+                             f"speed{batch}")
+        decode[batch] = run["decode_tokens_per_s"]
+    return {"decode": decode, "prefill": prefill_tokens_per_s(engine, args.prefill_len)}
+
+
+def measure(engine: LLMEngine) -> dict:
+    """The variant's bytes (its speed and outputs are taken apart)."""
+    config, pages = engine.config, engine.core.pages
     return {"weight_bytes": weight_bytes(engine.model), "weight_bytes_by_format": weight_bytes_by_format(engine.model),
             "cache_bytes_per_token": pages.bytes_per_token(config, pages.dtype, pages.latent_8bit, pages.keys_8bit),
-            "weight_bytes_per_token": weight_bytes_touched(engine.model, 1),
-            "decode_tokens_per_s": speed, "prefill_tokens_per_s": prefill_tokens_per_s(engine, args.prefill_len)}
+            "weight_bytes_per_token": weight_bytes_touched(engine.model, 1)}
+
+
+def _median_ratio(rounds: list[dict], base_rounds: list[dict], pick) -> float:
+    return statistics.median(pick(r) / pick(b) for r, b in zip(rounds, base_rounds))
+
+
+def engine_args_of(args: argparse.Namespace, quantization: str | None, kv: str) -> EngineArgs:
+    engine_args = EngineArgs.from_cli(args, args.model)
+    engine_args.quantization, engine_args.kv_cache_dtype = quantization, kv
+    return engine_args
 
 
 def run_quant(args: argparse.Namespace) -> str:
     results, base_tf, base_greedy = [], None, None
     for name, quantization, kv in variants():
-        engine_args = EngineArgs.from_cli(args, args.model)
-        engine_args.quantization, engine_args.kv_cache_dtype = quantization, kv
+        engine_args = engine_args_of(args, quantization, kv)
         rss = resident_bytes(engine_args, args.input_len)
         engine = LLMEngine(engine_args)
         dtype = engine.dtype  # every variant resolves --dtype alike
         r = {"variant": name, "quantization": quantization, "kv_cache_dtype": kv, "rss_bytes": rss,
-             **measure(engine, args)}
+             **measure(engine), "rounds": [speed(engine, args)]}
         greedy = greedy_with_logits(engine, quality_prompts(engine, args.num_quality_prompts, args.input_len),
                                     args.output_len)
         tf = (teacher_forced(engine, quality_prompts(engine, args.num_quality_prompts, args.quality_len))
@@ -179,28 +195,37 @@ def run_quant(args: argparse.Namespace) -> str:
         r["teacher_forced"] = compare_teacher_forced(base_tf, tf) if tf is not None else None
         r["greedy_agreement"], r["greedy_mean_kl"] = compare_greedy(base_greedy, greedy)
         results.append(r)
+    for _ in range(1, args.rounds):
+        for r, (_, quantization, kv) in zip(results, variants()):
+            engine = LLMEngine(engine_args_of(args, quantization, kv))
+            r["rounds"].append(speed(engine, args))
+            del engine
     base = results[0]
     for r in results:
+        r["decode_tokens_per_s"] = {b: statistics.median(x["decode"][b] for x in r["rounds"])
+                                    for b in args.batch_sizes}
+        r["prefill_tokens_per_s"] = statistics.median(x["prefill"] for x in r["rounds"])
         r["allowed_speedup"] = base["weight_bytes_per_token"] / r["weight_bytes_per_token"]
-        r["speedup"] = {b: s / base["decode_tokens_per_s"][b] for b, s in r["decode_tokens_per_s"].items()}
+        r["speedup"] = {b: _median_ratio(r["rounds"], base["rounds"], lambda x, b=b: x["decode"][b])
+                        for b in args.batch_sizes}
+        r["prefill_speedup"] = _median_ratio(r["rounds"], base["rounds"], lambda x: x["prefill"])
         r["share_of_allowed_b1"] = r["speedup"][1] / r["allowed_speedup"] if 1 in r["speedup"] else float("nan")
         if r["teacher_forced"] is not None:
             tf = r["teacher_forced"]
             tf["perplexity_change"] = tf["perplexity"] / base["teacher_forced"]["perplexity"] - 1
     config = {"batch_sizes": args.batch_sizes, "input_len": args.input_len, "output_len": args.output_len,
-              "prefill_len": args.prefill_len, "num_quality_prompts": args.num_quality_prompts,
+              "prefill_len": args.prefill_len, "rounds": args.rounds, "num_quality_prompts": args.num_quality_prompts,
               "quality_len": args.quality_len}
     payload = {"bench": "quant", "machine": machine_info(), "model": args.model, "dtype": dtype, "config": config,
                "results": results}
-    first, last = args.batch_sizes[0], args.batch_sizes[-1]
     cost = format_table(
         ["variant", "weight MB", "by format (MB)", "RSS MB", "cache B/token", "read MB/token", "allowed x",
-         *[f"tok/s b{b}" for b in args.batch_sizes], f"speed-up b{first}", "share of allowed", f"speed-up b{last}",
-         "prefill tok/s"],
+         *[f"tok/s b{b}" for b in args.batch_sizes], *[f"speed-up b{b}" for b in args.batch_sizes],
+         "share of allowed b1", "prefill tok/s", "prefill speed-up"],
         [[r["variant"], r["weight_bytes"] / 1e6, _by_format_mb(r["weight_bytes_by_format"]), r["rss_bytes"] / 1e6,
           r["cache_bytes_per_token"], r["weight_bytes_per_token"] / 1e6, r["allowed_speedup"],
-          *r["decode_tokens_per_s"].values(), r["speedup"][first], r["share_of_allowed_b1"], r["speedup"][last],
-          r["prefill_tokens_per_s"]] for r in results])
+          *r["decode_tokens_per_s"].values(), *r["speedup"].values(), r["share_of_allowed_b1"],
+          r["prefill_tokens_per_s"], r["prefill_speedup"]] for r in results])
     quality = format_table(
         ["variant", "top-1 agree", "KL", "perplexity", "ppl change", "greedy agree", "greedy KL"],
         [[r["variant"], *_tf_cells(r["teacher_forced"]), r["greedy_agreement"], r["greedy_mean_kl"]]
@@ -245,6 +270,8 @@ def add_quant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens of the decode runs")
     parser.add_argument("--output-len", type=int, default=32, help="generated tokens per prompt")
     parser.add_argument("--prefill-len", type=int, default=1024, help="tokens of the prompt whose prefill is timed")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="speed rounds: each builds and times every variant in turn; figures are their medians")
     parser.add_argument("--num-quality-prompts", type=int, default=8,
                         help="validation windows compared with the unquantised model")
     parser.add_argument("--quality-len", type=int, default=256, help="tokens of each teacher-forced window")
