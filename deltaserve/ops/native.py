@@ -309,7 +309,7 @@ _EXACT_SCALES = {"e4m3": (10, 246), "e2m1": (2, 252)}
 
 class ColumnMatrix(NamedTuple):
     """A matrix [N, K], or a stack [..., N, K] of them, as the column products read it (native_src/experts.c, mx.c):
-    bf16 in `pack_columns`' layout (`bf16_columns`) or MX codes in that order with their E8M0 scales
+    bf16 in `pack_columns`' layout (scales None) or MX codes in that order with their E8M0 scales
     (`mx_columns`); `act` (ACT_*): how a product quantises its input rows to MXFP8 first."""
 
     data: torch.Tensor
@@ -328,11 +328,6 @@ class ColumnMatrix(NamedTuple):
 
     def nbytes(self) -> int:
         return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
-
-
-def bf16_columns(w: torch.Tensor) -> ColumnMatrix:
-    """bf16 weights [..., N, K] as a ColumnMatrix (`pack_columns`)."""
-    return ColumnMatrix(pack_columns(w), None, MAT_BF16, tuple(w.shape))
 
 
 def _codes(data: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
