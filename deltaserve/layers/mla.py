@@ -143,7 +143,7 @@ class MLAttention(nn.Module):
         linears = [self.kv_a_proj_with_mqa, self.kv_b_proj, self.indexer.wq_b, self.indexer.wk,
                    self.indexer.weights_proj, *([self.g_proj] if self.config.mla_use_output_gate else []),
                    *([self.q_proj] if self.config.q_lora_rank is None else [self.q_a_proj, self.q_b_proj])]
-        return all(type(m) is Linear for m in linears) and (self.rotary is None or self.config.uses_rope)
+        return all(isinstance(m, Linear) for m in linears) and (self.rotary is None or self.config.uses_rope)
 
     def _fused_weights(self) -> MLAWeights:
         """The concatenated MLAPO weights, built once and rebuilt only when a source weight was replaced or
