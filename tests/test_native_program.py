@@ -190,17 +190,18 @@ def test_mx_chunk_program_equals_the_modules(make_checkpoint, monkeypatch, snaps
     assert taken == [True]
 
 
-def test_mx_layers_run_in_the_native_blocks(make_checkpoint):
-    """Under every MX scheme a Kimi-Linear decode step is one program of native blocks (KDA, MLA and FFN blocks
-    over MX weights), with no module between them; an MX layer whose weights the kernels cannot take (the fp32
-    model keeps the torch MX forms) leaves its sub-block to the modules."""
+@pytest.mark.parametrize("preset, kinds", [("kimi-linear-tiny", {"kda", "mla", "ffn"}),
+                                           ("k31-tiny", {"kda", "dsa", "ffn"})])
+def test_mx_layers_run_in_the_native_blocks(make_checkpoint, preset, kinds):
+    """Under every MX scheme a decode step of a few sequences is one program of native blocks (KDA, MLA or DSA and
+    FFN blocks over MX weights, or over bf16 attention weights under w4a8-mxfp4), with no module between them."""
     for quantization in ("w4a8-mxfp4", "w8a8-mxfp8", "mxfp"):
-        model, backend = native_model(make_checkpoint("kimi-linear-tiny"), quantization=quantization)
+        model, backend = native_model(make_checkpoint(preset), quantization=quantization)
         cache = twin_caches(model, 5)[0]
         program = write_program(model, StepKind.of(decode_batch(cache, [0, 1], 4, model.config), 2),
                                 backend.programs.plans, cache)
-        kinds = [k for seg in program.segments for k in (seg.kinds or [seg.node.kind])]
-        assert {"kda", "mla", "ffn"} <= set(kinds) and not any(k.endswith("-modules") for k in kinds), kinds
+        written = [k for seg in program.segments for k in (seg.kinds or [seg.node.kind])]
+        assert kinds <= set(written) and not any(k.endswith("-modules") for k in written), (quantization, written)
         assert len(program.segments) == 1
 
 

@@ -56,19 +56,19 @@ ISA_AVX512F, ISA_AVX512BF16, ISA_AMX_BF16, ISA_AVX2, ISA_FMA = 1, 2, 4, 8, 16
 MAT_BF16, MAT_E4M3, MAT_E2M1 = 0, 1, 2
 # The MX weight slots of a block's `mx` array (0 for a block over bf16 packs; a slot whose data is 0 keeps the bf16
 # pack of that weight): the KDA block's q, k, v, f_a, b and gate input projections, f_b, g_b and o_proj; the MLA
-# block's q_proj, kv_a_proj and o_proj; the FFN block's routed stacks w1, w3, w2, the shared or dense MLP's gate,
-# up and down, and K3's latent down and up projections.
-KDA_MX_SLOTS, MLA_MX_SLOTS, MOE_MX_SLOTS = 9, 3, 8
+# block's q_proj, kv_a_proj and o_proj; the DSA block's q_a, kv_a and gate projections (together: one pass), q_b and
+# o_proj; the FFN block's routed stacks w1, w3, w2, the shared or dense MLP's gate, up and down, and K3's latent down
+# and up projections.
+KDA_MX_SLOTS, MLA_MX_SLOTS, DSA_MX_SLOTS, MOE_MX_SLOTS = 9, 3, 5, 8
 # How a product quantises its input rows (`MxMatrix.act`): not at all, or to MXFP8-E4M3 per 32 with the block
 # scale of this rule (ops/mx.py ScaleMode), then back to bf16 (exact: every MXFP8 value is a bf16).
 ACT_NONE, ACT_FLOOR, ACT_RCEIL, ACT_CEIL, ACT_EVEN = 0, 1, 2, 3, 4
 
-CONSTANTS = {name: globals()[name] for name in ("LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "TILE_MIN_ROWS",
-                                                "MAX_MIX_SOURCES", "SOP_KDA", "SOP_MLA", "SOP_DSA", "SOP_FFN",
-                                                "SOP_MIX", "ISA_AVX512F", "ISA_AVX512BF16", "ISA_AMX_BF16",
-                                                "ISA_AVX2", "ISA_FMA", "MAT_BF16", "MAT_E4M3", "KDA_MX_SLOTS", "MLA_MX_SLOTS", "MOE_MX_SLOTS",
-                                                "MAT_E2M1", "ACT_NONE", "ACT_FLOOR", "ACT_RCEIL", "ACT_CEIL",
-                                                "ACT_EVEN")}
+CONSTANTS = {name: globals()[name] for name in (
+    "LINEAR_MAX_ROWS", "MLP_MAX_ROWS", "TILE_MIN_ROWS", "MAX_MIX_SOURCES", "SOP_KDA", "SOP_MLA", "SOP_DSA", "SOP_FFN",
+    "SOP_MIX", "ISA_AVX512F", "ISA_AVX512BF16", "ISA_AMX_BF16", "ISA_AVX2", "ISA_FMA", "MAT_BF16", "MAT_E4M3",
+    "KDA_MX_SLOTS", "MLA_MX_SLOTS", "DSA_MX_SLOTS", "MOE_MX_SLOTS", "MAT_E2M1", "ACT_NONE", "ACT_FLOOR", "ACT_RCEIL",
+    "ACT_CEIL", "ACT_EVEN")}
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,8 @@ class MlaBlock(ctypes.Structure):
 @_layout
 class DsaBlock(ctypes.Structure):
     """ds_dsa_block: a DSA layer's block (query LoRA), its weights row-packed only. w_a stacks q_a (q_rank) | kv_a
-    (rank + rope) | gate (gate_width, or none) | index wk (index_dim) | index weights (index_heads)."""
+    (rank + rope) | gate (gate_width, or none) | index wk (index_dim) | index weights (index_heads); when q_a, kv_a and
+    the gate are stored MX (slots 0-2), w_a holds only the index wk | weights rows."""
 
     c_name = "dsa_block"
     fields = [
@@ -204,6 +205,7 @@ class DsaBlock(ctypes.Structure):
         ("w_uv", BF16S, ""), ("w_o", BF16S, ""), ("w_iq", BF16S, "the index queries' wq_b"),
         ("eps", F32, ""), ("q_eps", F32, ""), ("kv_eps", F32, ""), ("index_eps", F32, ""), ("scale", F32, ""),
         ("index_weight_scale", F32, "index_heads^-1/2"), ("index_dim_scale", F32, "index_dim^-1/2"),
+        ("mx", MX_SLOTS, "[DSA_MX_SLOTS]; 0: bf16 packs"),
     ]
 
 

@@ -37,9 +37,9 @@ from ...layers.mla import MLAttention
 from ...layers.mlp import MLP
 from ...layers.moe import MoE
 from ...layers.norm import RMSNorm
-from ...ops.native import ColumnMatrix
-from ...ops.native_contract import (KDA_MX_SLOTS, LINEAR_MAX_ROWS, MLA_MX_SLOTS, MOE_MX_SLOTS, DsaBlock, KdaBlock,
-                                    MlaBlock, MoeBlock, MxMatrix)
+from ...ops.native import ColumnMatrix, pack_rows
+from ...ops.native_contract import (DSA_MX_SLOTS, KDA_MX_SLOTS, LINEAR_MAX_ROWS, MLA_MX_SLOTS, MOE_MX_SLOTS, DsaBlock,
+                                    KdaBlock, MlaBlock, MoeBlock, MxMatrix)
 from .modules import (NativeExperts, NativeKimiDeltaAttention, NativeLinear, NativeMLAttention, NativeMLP, NativeMoE,
                       NativeMXExperts, NativeMXLinear, NativeRMSNorm, NativeRouter, situ_params)
 
@@ -211,44 +211,91 @@ def _mla_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
                 BLOCK_MAX_ROWS)
 
 
+def _dsa_linears(attn: MLAttention) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """The layer's linears the block reads from x (q_a, kv_a and the gate when there is one) and the others (q_b,
+    o_proj, kv_b and the indexer's wq_b, wk and weights_proj)."""
+    ix = attn.indexer
+    first = [attn.q_a_proj, attn.kv_a_proj_with_mqa, *([attn.g_proj] if attn.config.mla_use_output_gate else [])]
+    return first, [attn.q_b_proj, attn.o_proj, attn.kv_b_proj, ix.wq_b, ix.wk, ix.weights_proj]
+
+
 def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
     """A DSA layer with query LoRA on the MLAPO path (K3's NoPE; DeepSeek-V3.2's RoPE, the indexer's rotated part
-    as wide as the MLA's) with bf16 weights and norms."""
+    as wide as the MLA's) with bf16 norms and bf16 weights, or under an MX scheme: q_a, kv_a and the gate all MX, q_b
+    and o_proj each MX or bf16, kv_b and the indexer bf16."""
     c = attn.config
-    if (c.q_lora_rank is None or not attn._fusable() or type(attn.o_proj) is not NativeLinear
-            or not _all_native(attn, norm)
+    if (c.q_lora_rank is None or not _all_native(attn, norm)
             or attn.indexer.rope_dim not in (0, attn.rho) or (attn.rotary is not None and not c.uses_rope)):
         return None
     ix = attn.indexer
     if not all(t.dtype == torch.bfloat16 for t in (attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight,
                                                    ix.k_norm.weight, ix.k_norm.bias)):
         return None
-    attn._fused_weights()  # gathers the layer's parameters: the block's sources
-    return Plan("dsa", attn, [norm.weight, *attn._mlapo_sources], lambda: _dsa_descriptor(attn, norm),
-                LINEAR_MAX_ROWS)
+    if attn._fusable() and type(attn.o_proj) is NativeLinear:
+        attn._fused_weights()  # gathers the layer's parameters: the block's sources
+        return Plan("dsa", attn, [norm.weight, *attn._mlapo_sources], lambda: _dsa_descriptor(attn, norm),
+                    LINEAR_MAX_ROWS)
+    first, rest = _dsa_linears(attn)
+    if (not _all_native(*first, *rest) or {type(m) for m in first} != {NativeMXLinear}
+            or any(type(m) is not NativeLinear for m in rest[2:])):
+        return None
+    sources = [norm.weight, attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight, ix.k_norm.weight, ix.k_norm.bias,
+               *(_weight(m) for m in (*first, *rest))]
+    return Plan("dsa", attn, sources, lambda: _dsa_mx_descriptor(attn, norm), LINEAR_MAX_ROWS)
+
+
+def _dsa_block(attn: MLAttention, norm: RMSNorm, a_width: int, gate_width: int, **weights: int) -> DsaBlock:
+    c, ix = attn.config, attn.indexer
+    return DsaBlock(
+        hidden=c.hidden_size, heads=attn.H, nope=attn.n, rope=attn.rho, v_dim=attn.v, rank=attn.r,
+        q_rank=c.q_lora_rank, a_width=a_width, gate_width=gate_width, index_dim=ix.head_dim, index_rope=ix.rope_dim,
+        index_heads=ix.heads, index_topk=c.index_topk, norm_w=norm.weight.data_ptr(), eps=norm.eps,
+        q_eps=c.mla_norm_eps, kv_eps=c.mla_norm_eps, index_eps=c.index_norm_eps, scale=attn.scale,
+        index_weight_scale=ix.heads ** -0.5, index_dim_scale=ix.head_dim ** -0.5, **weights)
 
 
 def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor | None:
-    """The block's descriptor (`DsaBlock`); None when the MLAPO weights have no native packs."""
+    """The block's descriptor (`DsaBlock`) over bf16 weights; None when the MLAPO weights have no native packs."""
     W = attn._fused_weights().pack_native()
     if not {"w_a", "q_b_proj", "w_uk_t", "index_wq_b"} <= set(W.packed):
         return None
     w_uv, w_o = attn.kv_b_packs(columns=False)[1], attn.o_proj.row_pack()
     keep = [norm.weight, W.packed["w_a"], W.packed["q_b_proj"], W.packed["w_uk_t"], W.packed["index_wq_b"], w_uv,
             w_o, W.q_a_norm, W.kv_a_norm, W.index_k_norm_weight, W.index_k_norm_bias]
-    c = attn.config
-    block = DsaBlock(
-        hidden=c.hidden_size, heads=attn.H, nope=attn.n, rope=attn.rho, v_dim=attn.v, rank=attn.r,
-        q_rank=c.q_lora_rank, a_width=sum(W.split_a), gate_width=attn.H * attn.v if W.g_proj is not None else 0,
-        index_dim=W.index_head_dim, index_rope=W.index_rope_dim, index_heads=W.index_n_heads,
-        index_topk=c.index_topk, norm_w=norm.weight.data_ptr(), w_a=W.packed["w_a"].data_ptr(),
-        qa_norm_w=W.q_a_norm.data_ptr(), w_qb=W.packed["q_b_proj"].data_ptr(), kva_norm_w=W.kv_a_norm.data_ptr(),
-        ik_norm_w=W.index_k_norm_weight.data_ptr(), ik_norm_b=W.index_k_norm_bias.data_ptr(),
-        w_uk=W.packed["w_uk_t"].data_ptr(), w_uv=w_uv.data_ptr(), w_o=w_o.data_ptr(),
-        w_iq=W.packed["index_wq_b"].data_ptr(), eps=norm.eps, q_eps=c.mla_norm_eps, kv_eps=c.mla_norm_eps,
-        index_eps=c.index_norm_eps, scale=attn.scale, index_weight_scale=W.index_n_heads ** -0.5,
-        index_dim_scale=W.index_head_dim ** -0.5)
+    block = _dsa_block(
+        attn, norm, a_width=sum(W.split_a), gate_width=attn.H * attn.v if W.g_proj is not None else 0,
+        w_a=W.packed["w_a"].data_ptr(), qa_norm_w=W.q_a_norm.data_ptr(), w_qb=W.packed["q_b_proj"].data_ptr(),
+        kva_norm_w=W.kv_a_norm.data_ptr(), ik_norm_w=W.index_k_norm_weight.data_ptr(),
+        ik_norm_b=W.index_k_norm_bias.data_ptr(), w_uk=W.packed["w_uk_t"].data_ptr(), w_uv=w_uv.data_ptr(),
+        w_o=w_o.data_ptr(), w_iq=W.packed["index_wq_b"].data_ptr())
     return Descriptor(block, keep)
+
+
+def _dsa_mx_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor:
+    """The block's descriptor under an MX scheme: q_a, kv_a and the gate in slots 0-2 (the modules' own column
+    matrices), q_b and o_proj in slots 3 and 4 or as their bf16 row packs, w_a the index wk | weights rows."""
+    first, (q_b, o_proj, _, wq_b, wk, weights_proj) = _dsa_linears(attn)
+    ix = attn.indexer
+    index_rows = pack_rows(torch.cat([wk.weight.detach(), weights_proj.weight.detach()]))
+    w_uk, w_uv = attn.kv_b_packs(columns=False)
+    w_iq = wq_b.row_pack()
+    keep: list = [norm.weight, attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight, ix.k_norm.weight,
+                  ix.k_norm.bias, index_rows, w_uk, w_uv, w_iq]
+    mx: dict[int, ColumnMatrix] = dict(enumerate(m.columns() for m in first))
+    packs: dict[str, int] = {}
+    for slot, name, m in ((3, "w_qb", q_b), (4, "w_o", o_proj)):
+        if type(m) is NativeMXLinear:
+            mx[slot] = m.columns()
+        else:
+            keep.append(m.row_pack())
+            packs[name] = keep[-1].data_ptr()
+    block = _dsa_block(
+        attn, norm, a_width=sum(m.out_features for m in (*first, wk, weights_proj)),
+        gate_width=first[2].out_features if len(first) == 3 else 0, w_a=index_rows.data_ptr(),
+        qa_norm_w=attn.q_a_layernorm.weight.data_ptr(), kva_norm_w=attn.kv_a_layernorm.weight.data_ptr(),
+        ik_norm_w=ix.k_norm.weight.data_ptr(), ik_norm_b=ix.k_norm.bias.data_ptr(), w_uk=w_uk.data_ptr(),
+        w_uv=w_uv.data_ptr(), w_iq=w_iq.data_ptr(), **packs)
+    return Descriptor(block, keep + _attach_slots(block, DSA_MX_SLOTS, mx))
 
 
 def ffn_plan(ffn: torch.nn.Module, norm: RMSNorm, config: ModelConfig) -> Plan | None:

@@ -358,7 +358,9 @@ static int64_t *index_select(const dsa_block *d, const bf16 *cq, const bf16 *A, 
  * and the index scores are computed in another order; a near-tie at the top-k cut may select another row). With
  * cos_sin ([2][N][RHO / 2] fp32: DeepSeek-V3.2's RoPE at the tokens' positions; NULL for K3's NoPE) q_pe and k_pe
  * are rotated interleaved and the index key's (and index queries') first IROPE dims half-split, as ops/mlapo.py
- * does. Returns 0, or -1 (nothing written) when a row is not below nrows or a rotation is wider than 512. */
+ * does. Under MX schemes (d->mx) q_a, kv_a and the gate take one MX pass (slots 0-2; w_a then holds the index
+ * rows only), q_b and o_proj each their MX product where their slot is set: each column as the modules' products.
+ * Returns 0, or -1 (nothing written) when a row is not below nrows or a rotation is wider than 512. */
 int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, const int64_t *selected,
                  int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld, int64_t nrows, int pages_bf16,
                  void *keys, int64_t ldk, int keys_bf16, const float *cos_sin, bf16 *out, int nthreads) {
@@ -371,9 +373,16 @@ int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
     bf16 *vals = ik + N * DI, *gated = vals + N * H * V, *a = gated + N * H * V;
 
     ds_rmsnorm_bf16(xin, N, D, D, d->norm_w, d->eps, x, nthreads);
-    product(x, N, D, D, d->w_a, NULL, NULL, NA, A, nthreads);
+    if (mx_slot(d->mx, 0)) { /* q_a | kv_a | gate stored MX in one pass, then the index wk | weights rows of w_a */
+        int64_t widths[3] = {RQ, CW, G};
+        mx_products(x, N, D, D, d->mx, widths, G > 0 ? 3 : 2, A, NA, 1, nthreads);
+        linear_task tail = {.w = d->w_a, .ldw = -1, .n = NA - K0, .y = A + K0, .ldy = NA, .x = x, .ldx = D};
+        ds_linear_bf16(N, D, 1, &tail, nthreads);
+    } else {
+        product(x, N, D, D, d->w_a, NULL, NULL, NA, A, nthreads);
+    }
     ds_rmsnorm_bf16(A, N, RQ, NA, d->qa_norm_w, d->q_eps, cq, nthreads);
-    product(cq, N, RQ, RQ, d->w_qb, NULL, NULL, QW, q, nthreads);
+    product(cq, N, RQ, RQ, d->w_qb, NULL, mx_slot(d->mx, 3), QW, q, nthreads);
     ds_rmsnorm_bf16(A + KV0, N, R, NA, d->kva_norm_w, d->kv_eps, row, nthreads);
     for (int64_t i = N - 1; i >= 0; i--) { /* rows [c | k_pe], as in ds_mla_block */
         memmove(row + i * CW, row + i * R, sizeof(bf16) * (size_t)R);
@@ -417,7 +426,7 @@ int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
                 }
             o = gated;
         }
-        product(o, N, H * V, H * V, d->w_o, NULL, NULL, D, a, nthreads);
+        product(o, N, H * V, H * V, d->w_o, NULL, mx_slot(d->mx, 4), D, a, nthreads);
         residual_add(r, a, N * D, out, nthreads);
     }
     free(x);

@@ -24,6 +24,7 @@
 #define MAT_E4M3 1
 #define KDA_MX_SLOTS 9
 #define MLA_MX_SLOTS 3
+#define DSA_MX_SLOTS 5
 #define MOE_MX_SLOTS 8
 #define MAT_E2M1 2
 #define ACT_NONE 0
@@ -150,7 +151,8 @@ typedef struct {
 } mla_block;
 
 /* ds_dsa_block: a DSA layer's block (query LoRA), its weights row-packed only. w_a stacks q_a (q_rank) | kv_a (rank +
- * rope) | gate (gate_width, or none) | index wk (index_dim) | index weights (index_heads). */
+ * rope) | gate (gate_width, or none) | index wk (index_dim) | index weights (index_heads); when q_a, kv_a and the gate
+ * are stored MX (slots 0-2), w_a holds only the index wk | weights rows. */
 typedef struct {
     int64_t hidden; /* D */
     int64_t heads; /* H */
@@ -183,6 +185,7 @@ typedef struct {
     float scale;
     float index_weight_scale; /* index_heads^-1/2 */
     float index_dim_scale; /* index_dim^-1/2 */
+    const mx_matrix *mx; /* [DSA_MX_SLOTS]; 0: bf16 packs */
 } dsa_block;
 
 /* One op of a native program: a fused block (its descriptor and its layer's cache) or an AttnRes mix, over registers
