@@ -149,6 +149,13 @@ def test_quant(tmp_path, k31_tiny):
     assert by_name["c8-int8"]["cache_bytes_per_token"] < base["cache_bytes_per_token"]
 
 
+@pytest.mark.parametrize("flag", ["--num-quality-prompts", "--rounds", "--batch-sizes"])
+def test_quant_refuses_counts_below_one(capsys, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "quant", flag, "0"])
+    assert exit_info.value.code == 2 and f"argument {flag}: must be an integer >= 1" in capsys.readouterr().err
+
+
 def test_soak_small(tmp_path, k31_tiny):
     payload = _bench(tmp_path, "soak", "--model", k31_tiny, "--clients", "8", "--duration", "8", "--warmup", "2",
                      # a pool of about two sequences for eight clients: the scheduler must preempt

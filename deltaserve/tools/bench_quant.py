@@ -46,6 +46,7 @@ import torch
 from ..engine.config import QUANTIZATIONS, EngineArgs
 from ..engine.llm_engine import LLMEngine
 from ..engine.summary import weight_bytes, weight_bytes_by_format
+from ..server.serve import positive_int
 from .bench import drive, random_prompts
 from .bench_backends import forward_logits
 from .bench_latency import latency_run
@@ -266,12 +267,12 @@ def _tf_cells(tf: dict | None) -> list:
 
 
 def add_quant_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="decode batches timed")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens of the decode runs")
-    parser.add_argument("--output-len", type=int, default=32, help="generated tokens per prompt")
-    parser.add_argument("--prefill-len", type=int, default=1024, help="tokens of the prompt whose prefill is timed")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 32], help="decode batches timed")
+    parser.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens of the decode runs")
+    parser.add_argument("--output-len", type=positive_int, default=32, help="generated tokens per prompt")
+    parser.add_argument("--prefill-len", type=positive_int, default=1024, help="tokens of the prompt whose prefill is timed")
+    parser.add_argument("--rounds", type=positive_int, default=2,
                         help="speed rounds: each builds and times every variant in turn; figures are their medians")
-    parser.add_argument("--num-quality-prompts", type=int, default=8,
+    parser.add_argument("--num-quality-prompts", type=positive_int, default=8,
                         help="validation windows compared with the unquantised model")
-    parser.add_argument("--quality-len", type=int, default=256, help="tokens of each teacher-forced window")
+    parser.add_argument("--quality-len", type=positive_int, default=256, help="tokens of each teacher-forced window")
