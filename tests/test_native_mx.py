@@ -101,6 +101,8 @@ def test_input_quantiser_is_fake_quantize_bit_for_bit(mode):
     x[0, :32] = 0
     x[1, 32:64] = torch.tensor([448.0 * 1.9] + [1e-6] * 31)  # FLOOR saturates the largest element
     x[2, :32] = torch.linspace(-1, 1, 32) * 2.0 ** -12  # small: E4M3 subnormals after scaling
+    x[6, :32] = torch.linspace(-1, 1, 32) * 2.0 ** -120  # tiny blocks: fp32 subnormals after scaling back
+    x[7, 64:96] = torch.linspace(-1, 1, 32) * 2.0 ** -130  # bf16 subnormal inputs
     x[3, 5], x[4, 40], x[5, 70] = float("nan"), float("inf"), float("-inf")
     x = x.to(torch.bfloat16)
     got = native.mx_quantize_rows(x, mode)

@@ -234,47 +234,102 @@ static inline float round_e4m3(float a) {
  * block_scales for E4M3: emax 8, 448, 3 mantissa bits). */
 static inline int block_exponent(float amax, int act) {
     if (!(amax > 0.f)) return -127;
-    int ex, e;
-    float mant = frexpf(amax, &ex);
-    if (act == ACT_FLOOR) {
+    uint32_t bits;
+    memcpy(&bits, &amax, 4);
+    int biased = (int)(bits >> 23), ex, e;
+    if (biased > 0 && (act == ACT_FLOOR || act == ACT_CEIL)) {
+        /* a normal amax: floor or ceil of its log2 from the exponent field, no libm call */
+        e = biased - 127 + (act == ACT_CEIL && (bits & 0x7fffffu) != 0) - 8;
+    } else if (act == ACT_FLOOR) {
+        frexpf(amax, &ex);
         e = ex - 1 - 8;
     } else if (act == ACT_CEIL) {
+        float mant = frexpf(amax, &ex);
         e = ex - (mant == 0.5f) - 8;
     } else if (act == ACT_EVEN) {
         uint32_t u;
         memcpy(&u, &amax, 4);
         e = (int)(((u + (1u << 19)) >> 23) & 0xff) - 127 - 8;
     } else { /* ACT_RCEIL */
-        mant = frexpf(amax / 448.f, &ex);
+        float mant = frexpf(amax / 448.f, &ex);
         e = ex - (mant == 0.5f);
     }
     return e < -127 ? -127 : e > 127 ? 127 : e;
 }
 
+/* 2^k for k in [-127, 127] (exact; 2^-127 is an fp32 subnormal) */
+static inline float pow2f(int k) {
+    if (k < -126) return ldexpf(1.f, k);
+    uint32_t bits = (uint32_t)(k + 127) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* One block of 32 of mx_quantize_row, in scalar code. */
+static void quantize_block(bf16 *x, int act) {
+    float v[32], amax = 0.f;
+    int finite = 1;
+    for (int i = 0; i < 32; i++) {
+        v[i] = bf16_to_f32(x[i]);
+        if (!isfinite(v[i])) finite = 0;
+        else if (fabsf(v[i]) > amax) amax = fabsf(v[i]);
+    }
+    if (!finite) {
+        for (int i = 0; i < 32; i++) x[i] = 0x7fc0;
+        return;
+    }
+    int e = block_exponent(amax, act);
+    float inv = pow2f(-e), scale = pow2f(e);
+    for (int i = 0; i < 32; i++) {
+        float s = v[i] * inv;
+        s = s > 448.f ? 448.f : s < -448.f ? -448.f : s;
+        x[i] = f32_to_bf16(round_e4m3(s) * scale);
+    }
+}
+
 /* fake_quantize_mx(x, E4M3, rule act) of n bf16 values (n a multiple of 32), in place, equal bit for bit: per 32,
  * the scale from the block's amax, each element scaled by 2^-e in fp32, saturated to ±448, rounded to E4M3 and
- * multiplied back by 2^e in fp32 then rounded to bf16, as torch does it; a block holding NaN or ±Inf becomes NaN. */
+ * multiplied back by 2^e in fp32 then rounded to bf16, as torch does it; a block holding NaN or ±Inf becomes NaN.
+ * With AVX-512 a block's elements take 16 lanes at a time (the same operations: round_e4m3's integer rounding of
+ * normals and the nearest-even multiple of 2^-9 below 2^-6), only its exponent in scalar code: the quantiser runs
+ * on every input row of every W8A8 product. */
 void mx_quantize_row(bf16 *x, int64_t n, int act) {
-    for (int64_t b = 0; b < n; b += 32) {
-        float v[32], amax = 0.f;
-        int finite = 1;
-        for (int i = 0; i < 32; i++) {
-            v[i] = bf16_to_f32(x[b + i]);
-            if (!isfinite(v[i])) finite = 0;
-            else if (fabsf(v[i]) > amax) amax = fabsf(v[i]);
+    int64_t b = 0;
+#if defined(__AVX512F__)
+    const __m512 lim = _mm512_set1_ps(448.f), sub_max = _mm512_set1_ps(0x1p-6f);
+    const __m512 to_sub = _mm512_set1_ps(512.f), from_sub = _mm512_set1_ps(0x1p-9f);
+    const __m512i expo = _mm512_set1_epi32(0x7f800000), one = _mm512_set1_epi32(1);
+    const __m512i half = _mm512_set1_epi32(0x7ffff), low = _mm512_set1_epi32(0xfffff);
+    for (; b + 32 <= n; b += 32) {
+        __m512 v[2];
+        __mmask16 bad = 0;
+        for (int h = 0; h < 2; h++) {
+            v[h] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + b + 16 * h))), 16));
+            bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v[h]), expo), expo);
         }
-        if (!finite) {
+        if (bad) {
             for (int i = 0; i < 32; i++) x[b + i] = 0x7fc0;
             continue;
         }
-        int e = block_exponent(amax, act);
-        float inv = ldexpf(1.f, -e), scale = ldexpf(1.f, e);
-        for (int i = 0; i < 32; i++) {
-            float s = v[i] * inv;
-            s = s > 448.f ? 448.f : s < -448.f ? -448.f : s;
-            x[b + i] = f32_to_bf16(round_e4m3(s) * scale);
+        int e = block_exponent(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))), act);
+        const __m512 inv = _mm512_set1_ps(pow2f(-e)), scale = _mm512_set1_ps(pow2f(e));
+        for (int h = 0; h < 2; h++) {
+            __m512 s = _mm512_mul_ps(v[h], inv);
+            s = _mm512_min_ps(_mm512_max_ps(s, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+            __m512i u = _mm512_castps_si512(s);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 20), one);
+            __m512 normal =
+                _mm512_castsi512_ps(_mm512_andnot_si512(low, _mm512_add_epi32(u, _mm512_add_epi32(half, odd))));
+            __m512 sub = _mm512_roundscale_ps(_mm512_mul_ps(s, to_sub), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            sub = _mm512_mul_ps(sub, from_sub);
+            __m512 q = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(s), sub_max, _CMP_LT_OQ), normal, sub);
+            store_bf16_16(x + b + 16 * h, (__mmask16)0xffff, _mm512_mul_ps(q, scale));
         }
     }
+#endif
+    for (; b < n; b += 32) quantize_block(x + b, act);
 }
 
 /* out [M, K] = mx_quantize_row of each row of x [M, K] (row stride ldx) under rule act (ACT_NONE: a copy). */
