@@ -199,6 +199,102 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The high byte of each E2M1 code's value as an fp16 (whose low byte is 0), a byte shuffle's 16-entry table: 0, 0.5,
+ * 1, 1.5, 2, 3, 4, 6 and their negatives (sign in bit 3). */
+static const uint8_t E2M1_HALF_HIGH[16] = {0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46,
+                                           0x80, 0xb8, 0xbc, 0xbe, 0xc0, 0xc2, 0xc4, 0xc6};
+
+/* few_rows_n for AVX2 + FMA + F16C. The codes become fp16s that the half-to-single conversion widens exactly (it
+ * takes subnormal halves as they are, whatever MXCSR says): an E4M3 code's bits placed where an fp16's go, the sign
+ * at 15 and eeeemmm at 7-13, make its value times 2^-8, subnormals included (both formats' subnormals are their
+ * mantissa times the smallest normal's ulp), so the columns' scales take 2^8 more; an E2M1 code's fp16 comes from a
+ * 16-entry byte table. Per group of 16 pairs (32 of K, one scale per column) the rows' inputs are widened to fp32
+ * once; 16 columns at a time, each column's pair gives an even and an odd vector that the row's two inputs
+ * multiply, so NT rows' sums stay in the 16 registers; the group's sums are then scaled into acc, as above. */
+static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *x, const int NT, const mx_matrix *w,
+                                                             int64_t b, int64_t K, float *acc) {
+    const int64_t pairs = K / 2, groups = K / 32;
+    const uint8_t *scales = w->scales + b * groups * COL_BLOCK;
+    const int fp4 = w->format == MAT_E2M1;
+    const uint8_t *src = (const uint8_t *)w->data + b * pairs * (fp4 ? COL_BLOCK : 2 * COL_BLOCK);
+    const __m128i fp4_table = _mm_loadu_si128((const __m128i *)E2M1_HALF_HIGH), nibble = _mm_set1_epi8(0x0f);
+    const __m256i e4m3_bits = _mm256_set1_epi16((short)0xbf80);
+    const int scale_shift = fp4 ? 0 : 8;
+    for (int64_t g = 0; g < groups; g++) {
+        float xf[MX_FEW_ROWS][32];
+        for (int i = 0; i < NT; i++)
+            for (int j = 0; j < 4; j++)
+                _mm256_storeu_ps(xf[i] + 8 * j, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                                     _mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                                         (const __m128i *)(x[i] + 32 * g + 8 * j))),
+                                                     16)));
+        for (int q = 0; q < COL_BLOCK; q += 16) {
+            /* below 3 rows the odd elements' sums apart from the even ones': the chains of dependent FMAs would
+             * otherwise bound the loop by their latency */
+            const int apart = NT < 3;
+            __m256 part[MX_FEW_ROWS][2], part_odd[2][2];
+            for (int i = 0; i < NT; i++) part[i][0] = part[i][1] = _mm256_setzero_ps();
+            for (int i = 0; i < 2; i++) part_odd[i][0] = part_odd[i][1] = _mm256_setzero_ps();
+            for (int k = 0; k < 16; k++) {
+                const int64_t p = g * 16 + k;
+                __m128i even_half[2], odd_half[2]; /* columns q + 8h .. q + 8h + 7 as fp16s */
+                if (fp4) { /* column c's pair in byte c: element 2p the low nibble */
+                    const uint8_t *at = src + p * COL_BLOCK + q;
+                    if (q == 0) ask_stream(at + 8 * COL_BLOCK);
+                    __m128i byte = _mm_loadu_si128((const __m128i *)at);
+                    __m128i lo = _mm_shuffle_epi8(fp4_table, _mm_and_si128(byte, nibble));
+                    __m128i hi = _mm_shuffle_epi8(fp4_table, _mm_and_si128(_mm_srli_epi16(byte, 4), nibble));
+                    even_half[0] = _mm_unpacklo_epi8(_mm_setzero_si128(), lo);
+                    even_half[1] = _mm_unpackhi_epi8(_mm_setzero_si128(), lo);
+                    odd_half[0] = _mm_unpacklo_epi8(_mm_setzero_si128(), hi);
+                    odd_half[1] = _mm_unpackhi_epi8(_mm_setzero_si128(), hi);
+                } else { /* column c's pair in bytes 2c, 2c + 1: one 16-bit word, the even code low */
+                    const uint8_t *at = src + p * 2 * COL_BLOCK + 2 * q;
+                    if (q == 0) {
+                        ask_stream(at + 16 * 2 * COL_BLOCK);
+                        ask_stream(at + 16 * 2 * COL_BLOCK + 64);
+                    }
+                    __m256i word = _mm256_loadu_si256((const __m256i *)at);
+                    /* code << 8 shifted right by one with its sign: sign at 15 (and 14, cleared), eeeemmm at 7-13 */
+                    __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(word, 8), 1), e4m3_bits);
+                    __m256i odd = _mm256_and_si256(_mm256_srai_epi16(word, 1), e4m3_bits);
+                    even_half[0] = _mm256_castsi256_si128(even);
+                    even_half[1] = _mm256_extracti128_si256(even, 1);
+                    odd_half[0] = _mm256_castsi256_si128(odd);
+                    odd_half[1] = _mm256_extracti128_si256(odd, 1);
+                }
+                for (int h = 0; h < 2; h++) {
+                    __m256 ev = _mm256_cvtph_ps(even_half[h]), od = _mm256_cvtph_ps(odd_half[h]);
+                    for (int i = 0; i < NT; i++) {
+                        part[i][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * k), ev, part[i][h]);
+                        if (apart)
+                            part_odd[i % 2][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * k + 1), od,
+                                                                 part_odd[i % 2][h]);
+                        else
+                            part[i][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * k + 1), od, part[i][h]);
+                    }
+                }
+            }
+            for (int h = 0; h < 2; h++) { /* 2^(s - 127) (E4M3: 2^(s + 8 - 127)) as fp32 bits (s = 0 only where every
+                                           * code is 0) */
+                __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                         (const __m128i *)(scales + g * COL_BLOCK + q + 8 * h))),
+                                     _mm256_set1_epi32(scale_shift)),
+                    23));
+                for (int i = 0; i < NT; i++) {
+                    float *a = acc + i * COL_BLOCK + q + 8 * h;
+                    __m256 sum = apart ? _mm256_add_ps(part[i][h], part_odd[i % 2][h]) : part[i][h];
+                    _mm256_storeu_ps(a, _mm256_fmadd_ps(sum, scale, _mm256_loadu_ps(a)));
+                }
+            }
+        }
+    }
+}
+#endif
+
+#if MX_FEW_ROWS
 void mx_block_few(const bf16 *const *x, int m, const mx_matrix *w, int64_t b, int64_t K, float *acc) {
     memset(acc, 0, sizeof(float) * (size_t)(m * COL_BLOCK));
     switch (m) {
