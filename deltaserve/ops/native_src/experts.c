@@ -35,9 +35,12 @@ static inline int32_t input_pair(const bf16 *x, int64_t p, int64_t K) {
 
 /* acc[i][c] += sum_{p in [p0, p1)} x_i[2p] w[p][c][0] + x_i[2p+1] w[p][c][1] for NT tokens and the block's 64
  * columns c; w is the block's [pairs][64][2] stream from pair p0 on, acc [NT][64] fp32. NT is a compile-time constant at every
- * call (see outer_tile), so the accumulators stay in registers. */
+ * call (see outer_tile), so the accumulators stay in registers. `stream`: w is a weight stream to prefetch ahead
+ * in; 0 for a decoded chunk already in L1 (prefetching past its end would ask for pages nobody has touched, each a
+ * page walk that finds nothing). */
 static inline __attribute__((always_inline)) void outer_tile_n(const bf16 *const *x, const int NT, const bf16 *w,
-                                                               int64_t p0, int64_t p1, int64_t K, float *acc) {
+                                                               int64_t p0, int64_t p1, int64_t K, int stream,
+                                                               float *acc) {
 #if defined(__AVX512BF16__)
     __m512 a[MAX_T][4];
     for (int i = 0; i < NT; i++)
@@ -48,7 +51,8 @@ static inline __attribute__((always_inline)) void outer_tile_n(const bf16 *const
         const bf16 *wp = w + (p - p0) * 2 * COL_BLOCK;
         /* the stream ahead into L2 and L1 (every tile: the first one reads DRAM; the L1 part keeps the loads from
          * waiting on L2, as in the dot tiles) */
-        for (int j = 0; j < 4; j++) ask_stream(wp + 32 * j);
+        if (stream)
+            for (int j = 0; j < 4; j++) ask_stream(wp + 32 * j);
         __m512i wv[4];
         for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_si512(wp + 32 * j);
         for (int i = 0; i < NT; i++) {
@@ -68,6 +72,42 @@ static inline __attribute__((always_inline)) void outer_tile_n(const bf16 *const
     }
     for (int i = 0; i < NT; i++)
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + i * COL_BLOCK + 16 * j, a[i][j]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* 16 columns at a time, so NT x 2 sums stay in the 16 registers; each pair word gives an even and an odd fp32
+     * vector (bf16 widening is a shift). The inputs of K_CHUNK pairs are widened once into xf and broadcast from
+     * there for every group of columns. */
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    float xf[MAX_T][2 * K_CHUNK];
+    for (int64_t c0 = p0; c0 < p1; c0 += K_CHUNK) {
+        const int64_t c1 = c0 + K_CHUNK < p1 ? c0 + K_CHUNK : p1;
+        for (int i = 0; i < NT; i++)
+            for (int64_t p = c0; p < c1; p++) {
+                uint32_t xp = (uint32_t)input_pair(x[i], p, K);
+                xf[i][2 * (p - c0)] = bf16_to_f32((bf16)(xp & 0xffff));
+                xf[i][2 * (p - c0) + 1] = bf16_to_f32((bf16)(xp >> 16));
+            }
+        for (int q = 0; q < COL_BLOCK; q += 16) {
+            __m256 a[MAX_T][2];
+            for (int i = 0; i < NT; i++)
+                for (int h = 0; h < 2; h++) a[i][h] = _mm256_loadu_ps(acc + i * COL_BLOCK + q + 8 * h);
+            for (int64_t p = c0; p < c1; p++) {
+                const bf16 *wp = w + (p - p0) * 2 * COL_BLOCK + 2 * q;
+                if (stream && q == 0)
+                    for (int j = 0; j < 4; j++) ask_stream(wp + 32 * j);
+                for (int h = 0; h < 2; h++) {
+                    __m256i wv = _mm256_loadu_si256((const __m256i *)(wp + 16 * h));
+                    __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+                    __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(wv, high));
+                    for (int i = 0; i < NT; i++) {
+                        a[i][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * (p - c0)), even, a[i][h]);
+                        a[i][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * (p - c0) + 1), odd, a[i][h]);
+                    }
+                }
+            }
+            for (int i = 0; i < NT; i++)
+                for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc + i * COL_BLOCK + q + 8 * h, a[i][h]);
+        }
+    }
 #else
     for (int i = 0; i < NT; i++)
         for (int64_t p = p0; p < p1; p++) {
@@ -81,14 +121,14 @@ static inline __attribute__((always_inline)) void outer_tile_n(const bf16 *const
 }
 
 static inline void outer_tile(const bf16 *const *x, int nt, const bf16 *w, int64_t p0, int64_t p1, int64_t K,
-                              float *acc) {
+                              int stream, float *acc) {
     switch (nt) {
-    case 1: outer_tile_n(x, 1, w, p0, p1, K, acc); break;
-    case 2: outer_tile_n(x, 2, w, p0, p1, K, acc); break;
-    case 3: outer_tile_n(x, 3, w, p0, p1, K, acc); break;
-    case 4: outer_tile_n(x, 4, w, p0, p1, K, acc); break;
-    case 5: outer_tile_n(x, 5, w, p0, p1, K, acc); break;
-    default: outer_tile_n(x, 6, w, p0, p1, K, acc); break;
+    case 1: outer_tile_n(x, 1, w, p0, p1, K, stream, acc); break;
+    case 2: outer_tile_n(x, 2, w, p0, p1, K, stream, acc); break;
+    case 3: outer_tile_n(x, 3, w, p0, p1, K, stream, acc); break;
+    case 4: outer_tile_n(x, 4, w, p0, p1, K, stream, acc); break;
+    case 5: outer_tile_n(x, 5, w, p0, p1, K, stream, acc); break;
+    default: outer_tile_n(x, 6, w, p0, p1, K, stream, acc); break;
     }
 }
 
@@ -103,7 +143,7 @@ static void block_product(const bf16 *const *x, int64_t m, const bf16 *wb, int64
     for (int64_t p0 = 0; p0 < pairs_of(K); p0 += chunk) {
         int64_t p1 = p0 + chunk < pairs_of(K) ? p0 + chunk : pairs_of(K);
         for (int64_t i0 = 0; i0 < m; i0 += MAX_T)
-            outer_tile(x + i0, m - i0 < MAX_T ? (int)(m - i0) : MAX_T, wb + p0 * 2 * COL_BLOCK, p0, p1, K,
+            outer_tile(x + i0, m - i0 < MAX_T ? (int)(m - i0) : MAX_T, wb + p0 * 2 * COL_BLOCK, p0, p1, K, 1,
                        acc + i0 * COL_BLOCK);
     }
 }
@@ -120,7 +160,7 @@ static void bf16_rows_product(const bf16 *const *rows, const bf16 *x, int64_t ld
     int64_t p0 = K / 32 * 16;
     for (int64_t i0 = 0; p0 < pairs_of(K) && i0 < m; i0 += MAX_T)
         outer_tile(rows + i0, m - i0 < MAX_T ? (int)(m - i0) : MAX_T, w + (b * pairs_of(K) + p0) * 2 * COL_BLOCK,
-                   p0, pairs_of(K), K, acc + i0 * COL_BLOCK);
+                   p0, pairs_of(K), K, 1, acc + i0 * COL_BLOCK);
 }
 
 /* bf16 elements of the per-thread scratch rows_product decodes an MX block of K into (none for bf16) */
@@ -156,7 +196,8 @@ static void rows_product(const bf16 *const *rows, const bf16 *x, int64_t ld, int
         int64_t p1 = p0 + K_CHUNK < pairs ? p0 + K_CHUNK : pairs;
         mx_decode_pairs(w, b, p0, p1, K, scratch);
         for (int64_t i0 = 0; i0 < m; i0 += MAX_T)
-            outer_tile(rows + i0, m - i0 < MAX_T ? (int)(m - i0) : MAX_T, scratch, p0, p1, K, acc + i0 * COL_BLOCK);
+            outer_tile(rows + i0, m - i0 < MAX_T ? (int)(m - i0) : MAX_T, scratch, p0, p1, K, 0,
+                       acc + i0 * COL_BLOCK);
     }
 }
 

@@ -55,8 +55,11 @@ void mx_quantize_row(bf16 *x, int64_t n, int act);
 /* mx.c: acc [m][64] = m <= MX_FEW_ROWS rows x (K bf16 each, K a multiple of 32) times MX block b of w, its codes
  * decoded in registers and the scales applied per 32 of K to the fp32 sums (AVX-512 BF16 builds and AVX2 + FMA +
  * F16C ones; others 0). */
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#if defined(__AVX512BF16__)
 #define MX_FEW_ROWS 4
+void mx_block_few(const bf16 *const *x, int m, const mx_matrix *w, int64_t b, int64_t K, float *acc);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MX_FEW_ROWS 6
 void mx_block_few(const bf16 *const *x, int m, const mx_matrix *w, int64_t b, int64_t K, float *acc);
 #else
 #define MX_FEW_ROWS 0

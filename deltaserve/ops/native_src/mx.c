@@ -38,6 +38,11 @@ static const bf16 E2M1_VALUE[32] = {
     0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
 };
 
+/* The high byte of each E2M1 code's value as an fp16 (whose low byte is 0), a byte shuffle's 16-entry table: 0, 0.5,
+ * 1, 1.5, 2, 3, 4, 6 and their negatives (sign in bit 3). */
+static const uint8_t E2M1_HALF_HIGH[16] = {0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46,
+                                           0x80, 0xb8, 0xbc, 0xbe, 0xc0, 0xc2, 0xc4, 0xc6};
+
 static inline int64_t blocks_of(int64_t N) { return (N + COL_BLOCK - 1) / COL_BLOCK; }
 
 int64_t mx_data_bytes(int64_t format, int64_t N, int64_t K) {
@@ -74,6 +79,48 @@ static inline bf16 e2m1_bf16(uint8_t code, int16_t off) {
     return (bf16)(code & 7 ? (uint16_t)(v + off) : v);
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* 16 words of E4M3 pairs (even code low) as fp16s of each code's value times 2^-8: the code's bits placed where an
+ * fp16's go, the sign at 15 and eeeemmm at 7-13 (both formats' subnormals are their mantissa times the smallest
+ * normal's ulp, so subnormal codes come out right too); the half-to-single conversion widens them exactly and
+ * keeps subnormal halves whatever MXCSR says. */
+static inline void e4m3_pairs_as_halves(__m256i word, __m256i *even, __m256i *odd) {
+    const __m256i bits = _mm256_set1_epi16((short)0xbf80);
+    /* code << 8 shifted right by one with its sign: sign at 15 (and 14, cleared) */
+    *even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(word, 8), 1), bits);
+    *odd = _mm256_and_si256(_mm256_srai_epi16(word, 1), bits);
+}
+
+/* 16 bytes of E2M1 pairs (element 2p the low nibble) as fp16s of each code's value, even codes in *even (columns 0-7
+ * in the low half), odd in *odd. */
+static inline void e2m1_pairs_as_halves(__m128i byte, __m256i *even, __m256i *odd) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)E2M1_HALF_HIGH), nibble = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(byte, nibble));
+    __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(byte, 4), nibble));
+    *even = _mm256_set_m128i(_mm_unpackhi_epi8(_mm_setzero_si128(), lo), _mm_unpacklo_epi8(_mm_setzero_si128(), lo));
+    *odd = _mm256_set_m128i(_mm_unpackhi_epi8(_mm_setzero_si128(), hi), _mm_unpacklo_epi8(_mm_setzero_si128(), hi));
+}
+
+/* Columns c0..c0+15 of one pair step as bf16 pair words: the halves widened, times each column's 2^(s - 127 +
+ * shift) (exact: the result is a normal, pack_mx_columns checks that), then the even element's bf16 in the low
+ * word and the odd one's in the high word (the values have at most 4 significant bits: truncation is exact). */
+static inline void store_pair_words(__m256i even, __m256i odd, const uint8_t *scale, int shift, bf16 *out) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int h = 0; h < 2; h++) {
+        __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scale + 8 * h))),
+                             _mm256_set1_epi32(shift)),
+            23));
+        __m128i e = h ? _mm256_extracti128_si256(even, 1) : _mm256_castsi256_si128(even);
+        __m128i o = h ? _mm256_extracti128_si256(odd, 1) : _mm256_castsi256_si128(odd);
+        __m256i ev = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(e), sc));
+        __m256i od = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(o), sc));
+        _mm256_storeu_si256((__m256i *)(out + 16 * h), _mm256_or_si256(_mm256_srli_epi32(ev, 16),
+                                                                       _mm256_and_si256(od, high)));
+    }
+}
+#endif
+
 void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int64_t K, bf16 *dst) {
     const uint8_t *scales = w->scales + b * (K / 32) * COL_BLOCK;
     int64_t pairs = (K + 1) / 2;
@@ -104,6 +151,14 @@ void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int6
                     _mm512_storeu_si512(out + 32 * j, v);
                 }
             }
+#elif defined(__AVX2__) && defined(__F16C__)
+            const uint8_t *sc = scales + g0 / 16 * COL_BLOCK;
+            for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK)
+                for (int q = 0; q < COL_BLOCK; q += 16) {
+                    __m256i even, odd;
+                    e4m3_pairs_as_halves(_mm256_loadu_si256((const __m256i *)(src + 2 * q)), &even, &odd);
+                    store_pair_words(even, odd, sc + q, 8, out + 2 * q);
+                }
 #else
             for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK)
                 for (int c = 0; c < 2 * COL_BLOCK; c++) out[c] = e4m3_bf16(src[c], off[c / 2][c % 2]);
@@ -128,6 +183,14 @@ void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int6
                     _mm512_storeu_si512(out + 32 * j, v);
                 }
             }
+#elif defined(__AVX2__) && defined(__F16C__)
+            const uint8_t *sc = scales + g0 / 16 * COL_BLOCK;
+            for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK)
+                for (int q = 0; q < COL_BLOCK; q += 16) {
+                    __m256i even, odd;
+                    e2m1_pairs_as_halves(_mm_loadu_si128((const __m128i *)(src + q)), &even, &odd);
+                    store_pair_words(even, odd, sc + q, 0, out + 2 * q);
+                }
 #else
             for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK)
                 for (int c = 0; c < COL_BLOCK; c++) {
@@ -200,26 +263,18 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* The high byte of each E2M1 code's value as an fp16 (whose low byte is 0), a byte shuffle's 16-entry table: 0, 0.5,
- * 1, 1.5, 2, 3, 4, 6 and their negatives (sign in bit 3). */
-static const uint8_t E2M1_HALF_HIGH[16] = {0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46,
-                                           0x80, 0xb8, 0xbc, 0xbe, 0xc0, 0xc2, 0xc4, 0xc6};
 
-/* few_rows_n for AVX2 + FMA + F16C. The codes become fp16s that the half-to-single conversion widens exactly (it
- * takes subnormal halves as they are, whatever MXCSR says): an E4M3 code's bits placed where an fp16's go, the sign
- * at 15 and eeeemmm at 7-13, make its value times 2^-8, subnormals included (both formats' subnormals are their
- * mantissa times the smallest normal's ulp), so the columns' scales take 2^8 more; an E2M1 code's fp16 comes from a
- * 16-entry byte table. Per group of 16 pairs (32 of K, one scale per column) the rows' inputs are widened to fp32
- * once; 16 columns at a time, each column's pair gives an even and an odd vector that the row's two inputs
- * multiply, so NT rows' sums stay in the 16 registers; the group's sums are then scaled into acc, as above. */
+/* few_rows_n for AVX2 + FMA + F16C: the codes become fp16s (e4m3_pairs_as_halves, e2m1_pairs_as_halves; E4M3's
+ * carry 2^-8, which the columns' scales give back) that the half-to-single conversion widens exactly. Per group of
+ * 16 pairs (32 of K, one scale per column) the rows' inputs are widened to fp32 once; 16 columns at a time, each
+ * column's pair gives an even and an odd vector that the row's two inputs multiply, so NT rows' sums stay in the 16
+ * registers; the group's sums are then scaled into acc, as above. */
 static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *x, const int NT, const mx_matrix *w,
                                                              int64_t b, int64_t K, float *acc) {
     const int64_t pairs = K / 2, groups = K / 32;
     const uint8_t *scales = w->scales + b * groups * COL_BLOCK;
     const int fp4 = w->format == MAT_E2M1;
     const uint8_t *src = (const uint8_t *)w->data + b * pairs * (fp4 ? COL_BLOCK : 2 * COL_BLOCK);
-    const __m128i fp4_table = _mm_loadu_si128((const __m128i *)E2M1_HALF_HIGH), nibble = _mm_set1_epi8(0x0f);
-    const __m256i e4m3_bits = _mm256_set1_epi16((short)0xbf80);
     const int scale_shift = fp4 ? 0 : 8;
     for (int64_t g = 0; g < groups; g++) {
         float xf[MX_FEW_ROWS][32];
@@ -238,32 +293,21 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
             for (int i = 0; i < 2; i++) part_odd[i][0] = part_odd[i][1] = _mm256_setzero_ps();
             for (int k = 0; k < 16; k++) {
                 const int64_t p = g * 16 + k;
-                __m128i even_half[2], odd_half[2]; /* columns q + 8h .. q + 8h + 7 as fp16s */
-                if (fp4) { /* column c's pair in byte c: element 2p the low nibble */
+                __m256i even, odd; /* columns q .. q + 15 as fp16s */
+                if (fp4) {
                     const uint8_t *at = src + p * COL_BLOCK + q;
                     if (q == 0) ask_stream(at + 8 * COL_BLOCK);
-                    __m128i byte = _mm_loadu_si128((const __m128i *)at);
-                    __m128i lo = _mm_shuffle_epi8(fp4_table, _mm_and_si128(byte, nibble));
-                    __m128i hi = _mm_shuffle_epi8(fp4_table, _mm_and_si128(_mm_srli_epi16(byte, 4), nibble));
-                    even_half[0] = _mm_unpacklo_epi8(_mm_setzero_si128(), lo);
-                    even_half[1] = _mm_unpackhi_epi8(_mm_setzero_si128(), lo);
-                    odd_half[0] = _mm_unpacklo_epi8(_mm_setzero_si128(), hi);
-                    odd_half[1] = _mm_unpackhi_epi8(_mm_setzero_si128(), hi);
-                } else { /* column c's pair in bytes 2c, 2c + 1: one 16-bit word, the even code low */
+                    e2m1_pairs_as_halves(_mm_loadu_si128((const __m128i *)at), &even, &odd);
+                } else {
                     const uint8_t *at = src + p * 2 * COL_BLOCK + 2 * q;
                     if (q == 0) {
                         ask_stream(at + 16 * 2 * COL_BLOCK);
                         ask_stream(at + 16 * 2 * COL_BLOCK + 64);
                     }
-                    __m256i word = _mm256_loadu_si256((const __m256i *)at);
-                    /* code << 8 shifted right by one with its sign: sign at 15 (and 14, cleared), eeeemmm at 7-13 */
-                    __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(word, 8), 1), e4m3_bits);
-                    __m256i odd = _mm256_and_si256(_mm256_srai_epi16(word, 1), e4m3_bits);
-                    even_half[0] = _mm256_castsi256_si128(even);
-                    even_half[1] = _mm256_extracti128_si256(even, 1);
-                    odd_half[0] = _mm256_castsi256_si128(odd);
-                    odd_half[1] = _mm256_extracti128_si256(odd, 1);
+                    e4m3_pairs_as_halves(_mm256_loadu_si256((const __m256i *)at), &even, &odd);
                 }
+                __m128i even_half[2] = {_mm256_castsi256_si128(even), _mm256_extracti128_si256(even, 1)};
+                __m128i odd_half[2] = {_mm256_castsi256_si128(odd), _mm256_extracti128_si256(odd, 1)};
                 for (int h = 0; h < 2; h++) {
                     __m256 ev = _mm256_cvtph_ps(even_half[h]), od = _mm256_cvtph_ps(odd_half[h]);
                     for (int i = 0; i < NT; i++) {
@@ -301,7 +345,13 @@ void mx_block_few(const bf16 *const *x, int m, const mx_matrix *w, int64_t b, in
     case 1: few_rows_n(x, 1, w, b, K, acc); break;
     case 2: few_rows_n(x, 2, w, b, K, acc); break;
     case 3: few_rows_n(x, 3, w, b, K, acc); break;
+#if MX_FEW_ROWS > 4
+    case 4: few_rows_n(x, 4, w, b, K, acc); break;
+    case 5: few_rows_n(x, 5, w, b, K, acc); break;
+    default: few_rows_n(x, 6, w, b, K, acc); break;
+#else
     default: few_rows_n(x, 4, w, b, K, acc); break;
+#endif
     }
 }
 #endif
