@@ -127,6 +127,43 @@ static inline __attribute__((always_inline)) void dot_tile_n(const bf16 *const *
     }
     for (int i = 0; i < NX; i++)
         for (int j = 0; j < TILE_ROWS; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* Two input rows at a time (2 x TILE_ROWS sums fill half the 16 registers; the tile's stream is read again from
+     * cache for rows 2 and 3). 16 of K a step as two vectors, the even and the odd elements of its pairs (bf16
+     * widening is a shift or a mask); the tail past the last 16 is added in scalar code. */
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int i0 = 0; i0 < NX; i0 += 2) {
+        const int nx = NX - i0 < 2 ? NX - i0 : 2;
+        __m256 acc[2][TILE_ROWS];
+        for (int i = 0; i < nx; i++)
+            for (int j = 0; j < TILE_ROWS; j++) acc[i][j] = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            if (kstep == TILE_ROWS * 32 && i0 == 0 && k % 32 == 0)
+                for (int j = 0; j < TILE_ROWS; j++) ask_stream(w[j] + k / 32 * kstep);
+            __m256 we[TILE_ROWS], wo[TILE_ROWS];
+            for (int j = 0; j < TILE_ROWS; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(w[j] + k / 32 * kstep + k % 32));
+                we[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                wo[j] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            }
+            for (int i = 0; i < nx; i++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(x[i0 + i] + k));
+                __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                for (int j = 0; j < TILE_ROWS; j++)
+                    acc[i][j] = _mm256_fmadd_ps(xo, wo[j], _mm256_fmadd_ps(xe, we[j], acc[i][j]));
+            }
+        }
+        for (int i = 0; i < nx; i++)
+            for (int j = 0; j < TILE_ROWS; j++) {
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+                for (int64_t t = k; t < K; t++) s += bf16_to_f32(x[i0 + i][t]) * bf16_to_f32(w[j][t / 32 * kstep + t % 32]);
+                out[i0 + i][j] = s;
+            }
+    }
 #else
     for (int i = 0; i < NX; i++)
         for (int j = 0; j < TILE_ROWS; j++) {

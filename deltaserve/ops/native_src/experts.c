@@ -73,9 +73,11 @@ static inline __attribute__((always_inline)) void outer_tile_n(const bf16 *const
     for (int i = 0; i < NT; i++)
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + i * COL_BLOCK + 16 * j, a[i][j]);
 #elif defined(__AVX2__) && defined(__FMA__)
-    /* 16 columns at a time, so NT x 2 sums stay in the 16 registers; each pair word gives an even and an odd fp32
-     * vector (bf16 widening is a shift). The inputs of K_CHUNK pairs are widened once into xf and broadcast from
-     * there for every group of columns. */
+    /* VW vectors of 8 columns per row at a time, so NT x VW sums stay in the 16 registers and enough of them are
+     * independent to cover the FMA latency; the order of each column's sum does not depend on NT. Each pair word
+     * gives an even and an odd fp32 vector (bf16 widening is a shift). The inputs of K_CHUNK pairs are widened once
+     * into xf and broadcast from there for every group of columns. */
+    const int VW = NT == 1 ? 8 : NT == 2 ? 4 : 2;
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     float xf[MAX_T][2 * K_CHUNK];
     for (int64_t c0 = p0; c0 < p1; c0 += K_CHUNK) {
@@ -86,26 +88,27 @@ static inline __attribute__((always_inline)) void outer_tile_n(const bf16 *const
                 xf[i][2 * (p - c0)] = bf16_to_f32((bf16)(xp & 0xffff));
                 xf[i][2 * (p - c0) + 1] = bf16_to_f32((bf16)(xp >> 16));
             }
-        for (int q = 0; q < COL_BLOCK; q += 16) {
-            __m256 a[MAX_T][2];
+        for (int q = 0; q < COL_BLOCK; q += 8 * VW) {
+            __m256 a[MAX_T][8];
             for (int i = 0; i < NT; i++)
-                for (int h = 0; h < 2; h++) a[i][h] = _mm256_loadu_ps(acc + i * COL_BLOCK + q + 8 * h);
+                for (int v = 0; v < VW; v++) a[i][v] = _mm256_loadu_ps(acc + i * COL_BLOCK + q + 8 * v);
             for (int64_t p = c0; p < c1; p++) {
                 const bf16 *wp = w + (p - p0) * 2 * COL_BLOCK + 2 * q;
                 if (stream && q == 0)
                     for (int j = 0; j < 4; j++) ask_stream(wp + 32 * j);
-                for (int h = 0; h < 2; h++) {
-                    __m256i wv = _mm256_loadu_si256((const __m256i *)(wp + 16 * h));
+                for (int v = 0; v < VW; v++) {
+                    __m256i wv = _mm256_loadu_si256((const __m256i *)(wp + 16 * v));
                     __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
                     __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(wv, high));
                     for (int i = 0; i < NT; i++) {
-                        a[i][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * (p - c0)), even, a[i][h]);
-                        a[i][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * (p - c0) + 1), odd, a[i][h]);
+                        const float *xi = xf[i] + 2 * (p - c0);
+                        a[i][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xi), even, a[i][v]);
+                        a[i][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xi + 1), odd, a[i][v]);
                     }
                 }
             }
             for (int i = 0; i < NT; i++)
-                for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc + i * COL_BLOCK + q + 8 * h, a[i][h]);
+                for (int v = 0; v < VW; v++) _mm256_storeu_ps(acc + i * COL_BLOCK + q + 8 * v, a[i][v]);
         }
     }
 #else

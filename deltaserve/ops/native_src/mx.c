@@ -101,20 +101,23 @@ static inline void e2m1_pairs_as_halves(__m128i byte, __m256i *even, __m256i *od
     *odd = _mm256_set_m128i(_mm_unpackhi_epi8(_mm_setzero_si128(), hi), _mm_unpacklo_epi8(_mm_setzero_si128(), hi));
 }
 
-/* Columns c0..c0+15 of one pair step as bf16 pair words: the halves widened, times each column's 2^(s - 127 +
- * shift) (exact: the result is a normal, pack_mx_columns checks that), then the even element's bf16 in the low
- * word and the odd one's in the high word (the values have at most 4 significant bits: truncation is exact). */
-static inline void store_pair_words(__m256i even, __m256i odd, const uint8_t *scale, int shift, bf16 *out) {
+/* The scales of 8 columns as fp32 multipliers 2^(s - 127 + shift) (fp32 bits (s + shift) << 23). */
+static inline __m256 column_scales(const uint8_t *scale, int shift) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)scale)), _mm256_set1_epi32(shift)), 23));
+}
+
+/* 16 columns of one pair step (fp16s of even and odd elements, columns 0-7 in the low halves) as bf16 pair words:
+ * widened, times each column's scale (sc[0] columns 0-7, sc[1] 8-15; exact: the result is a normal, mx_columns
+ * checks that), then the even element's bf16 in the low word and the odd one's in the high word (the values have
+ * at most 4 significant bits, so taking the high half of the fp32 is exact). */
+static inline void store_pair_words(__m256i even, __m256i odd, const __m256 *sc, bf16 *out) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int h = 0; h < 2; h++) {
-        __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scale + 8 * h))),
-                             _mm256_set1_epi32(shift)),
-            23));
         __m128i e = h ? _mm256_extracti128_si256(even, 1) : _mm256_castsi256_si128(even);
         __m128i o = h ? _mm256_extracti128_si256(odd, 1) : _mm256_castsi256_si128(odd);
-        __m256i ev = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(e), sc));
-        __m256i od = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(o), sc));
+        __m256i ev = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(e), sc[h]));
+        __m256i od = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(o), sc[h]));
         _mm256_storeu_si256((__m256i *)(out + 16 * h), _mm256_or_si256(_mm256_srli_epi32(ev, 16),
                                                                        _mm256_and_si256(od, high)));
     }
@@ -126,8 +129,10 @@ void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int6
     int64_t pairs = (K + 1) / 2;
     for (int64_t g0 = p0; g0 < p1;) { /* a run of pairs under one group of scales (16 pairs = 32 of K) */
         int64_t g1 = (g0 / 16 + 1) * 16 < p1 ? (g0 / 16 + 1) * 16 : p1;
+#if defined(__AVX512BW__) || !(defined(__AVX2__) && defined(__F16C__))
         int16_t off[COL_BLOCK][2];
         scale_offsets(scales + g0 / 16 * COL_BLOCK, off);
+#endif
         if (w->format == MAT_E4M3) {
             const uint8_t *src = (const uint8_t *)w->data + (b * pairs + g0) * 2 * COL_BLOCK;
             bf16 *out = dst + (g0 - p0) * 2 * COL_BLOCK;
@@ -152,13 +157,17 @@ void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int6
                 }
             }
 #elif defined(__AVX2__) && defined(__F16C__)
-            const uint8_t *sc = scales + g0 / 16 * COL_BLOCK;
-            for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK)
+            __m256 sc[COL_BLOCK / 8];
+            for (int j = 0; j < COL_BLOCK / 8; j++) sc[j] = column_scales(scales + g0 / 16 * COL_BLOCK + 8 * j, 8);
+            for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK) {
+                ask_stream(src);
+                ask_stream(src + 64);
                 for (int q = 0; q < COL_BLOCK; q += 16) {
                     __m256i even, odd;
                     e4m3_pairs_as_halves(_mm256_loadu_si256((const __m256i *)(src + 2 * q)), &even, &odd);
-                    store_pair_words(even, odd, sc + q, 8, out + 2 * q);
+                    store_pair_words(even, odd, sc + q / 8, out + 2 * q);
                 }
+            }
 #else
             for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK)
                 for (int c = 0; c < 2 * COL_BLOCK; c++) out[c] = e4m3_bf16(src[c], off[c / 2][c % 2]);
@@ -184,13 +193,16 @@ void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int6
                 }
             }
 #elif defined(__AVX2__) && defined(__F16C__)
-            const uint8_t *sc = scales + g0 / 16 * COL_BLOCK;
-            for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK)
+            __m256 sc[COL_BLOCK / 8];
+            for (int j = 0; j < COL_BLOCK / 8; j++) sc[j] = column_scales(scales + g0 / 16 * COL_BLOCK + 8 * j, 0);
+            for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK) {
+                ask_stream(src);
                 for (int q = 0; q < COL_BLOCK; q += 16) {
                     __m256i even, odd;
                     e2m1_pairs_as_halves(_mm_loadu_si128((const __m128i *)(src + q)), &even, &odd);
-                    store_pair_words(even, odd, sc + q, 0, out + 2 * q);
+                    store_pair_words(even, odd, sc + q / 8, out + 2 * q);
                 }
+            }
 #else
             for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK)
                 for (int c = 0; c < COL_BLOCK; c++) {
@@ -266,9 +278,9 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
 
 /* few_rows_n for AVX2 + FMA + F16C: the codes become fp16s (e4m3_pairs_as_halves, e2m1_pairs_as_halves; E4M3's
  * carry 2^-8, which the columns' scales give back) that the half-to-single conversion widens exactly. Per group of
- * 16 pairs (32 of K, one scale per column) the rows' inputs are widened to fp32 once; 16 columns at a time, each
- * column's pair gives an even and an odd vector that the row's two inputs multiply, so NT rows' sums stay in the 16
- * registers; the group's sums are then scaled into acc, as above. */
+ * 16 pairs (32 of K, one scale per column) the rows' inputs are widened to fp32 once; VW vectors of 8 columns per
+ * row at a time (experts.c's outer tile says why), each column's pair giving an even and an odd vector that the
+ * row's two inputs multiply; the group's sums are then scaled into acc, as above. */
 static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *x, const int NT, const mx_matrix *w,
                                                              int64_t b, int64_t K, float *acc) {
     const int64_t pairs = K / 2, groups = K / 32;
@@ -276,6 +288,7 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
     const int fp4 = w->format == MAT_E2M1;
     const uint8_t *src = (const uint8_t *)w->data + b * pairs * (fp4 ? COL_BLOCK : 2 * COL_BLOCK);
     const int scale_shift = fp4 ? 0 : 8;
+    const int VW = NT <= 2 ? 4 : 2; /* as in experts.c's outer tile */
     for (int64_t g = 0; g < groups; g++) {
         float xf[MX_FEW_ROWS][32];
         for (int i = 0; i < NT; i++)
@@ -284,53 +297,42 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
                                                      _mm256_cvtepu16_epi32(_mm_loadu_si128(
                                                          (const __m128i *)(x[i] + 32 * g + 8 * j))),
                                                      16)));
-        for (int q = 0; q < COL_BLOCK; q += 16) {
-            /* below 3 rows the odd elements' sums apart from the even ones': the chains of dependent FMAs would
-             * otherwise bound the loop by their latency */
-            const int apart = NT < 3;
-            __m256 part[MX_FEW_ROWS][2], part_odd[2][2];
-            for (int i = 0; i < NT; i++) part[i][0] = part[i][1] = _mm256_setzero_ps();
-            for (int i = 0; i < 2; i++) part_odd[i][0] = part_odd[i][1] = _mm256_setzero_ps();
+        for (int q = 0; q < COL_BLOCK; q += 8 * VW) {
+            __m256 part[MX_FEW_ROWS][8];
+            for (int i = 0; i < NT; i++)
+                for (int v = 0; v < VW; v++) part[i][v] = _mm256_setzero_ps();
             for (int k = 0; k < 16; k++) {
                 const int64_t p = g * 16 + k;
-                __m256i even, odd; /* columns q .. q + 15 as fp16s */
-                if (fp4) {
-                    const uint8_t *at = src + p * COL_BLOCK + q;
-                    if (q == 0) ask_stream(at + 8 * COL_BLOCK);
-                    e2m1_pairs_as_halves(_mm_loadu_si128((const __m128i *)at), &even, &odd);
-                } else {
-                    const uint8_t *at = src + p * 2 * COL_BLOCK + 2 * q;
-                    if (q == 0) {
-                        ask_stream(at + 16 * 2 * COL_BLOCK);
-                        ask_stream(at + 16 * 2 * COL_BLOCK + 64);
+                for (int c = q; c < q + 8 * VW; c += 16) { /* columns c .. c + 15 as fp16s */
+                    __m256i even, odd;
+                    if (fp4) {
+                        const uint8_t *at = src + p * COL_BLOCK + c;
+                        if (c == 0) ask_stream(at + 8 * COL_BLOCK);
+                        e2m1_pairs_as_halves(_mm_loadu_si128((const __m128i *)at), &even, &odd);
+                    } else {
+                        const uint8_t *at = src + p * 2 * COL_BLOCK + 2 * c;
+                        if (c == 0) {
+                            ask_stream(at + 16 * 2 * COL_BLOCK);
+                            ask_stream(at + 16 * 2 * COL_BLOCK + 64);
+                        }
+                        e4m3_pairs_as_halves(_mm256_loadu_si256((const __m256i *)at), &even, &odd);
                     }
-                    e4m3_pairs_as_halves(_mm256_loadu_si256((const __m256i *)at), &even, &odd);
-                }
-                __m128i even_half[2] = {_mm256_castsi256_si128(even), _mm256_extracti128_si256(even, 1)};
-                __m128i odd_half[2] = {_mm256_castsi256_si128(odd), _mm256_extracti128_si256(odd, 1)};
-                for (int h = 0; h < 2; h++) {
-                    __m256 ev = _mm256_cvtph_ps(even_half[h]), od = _mm256_cvtph_ps(odd_half[h]);
-                    for (int i = 0; i < NT; i++) {
-                        part[i][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * k), ev, part[i][h]);
-                        if (apart)
-                            part_odd[i % 2][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * k + 1), od,
-                                                                 part_odd[i % 2][h]);
-                        else
-                            part[i][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * k + 1), od, part[i][h]);
+                    for (int h = 0; h < 2; h++) {
+                        const int v = (c - q) / 8 + h;
+                        __m256 ev = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(even, 1) : _mm256_castsi256_si128(even));
+                        __m256 od = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(odd, 1) : _mm256_castsi256_si128(odd));
+                        for (int i = 0; i < NT; i++) {
+                            part[i][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * k), ev, part[i][v]);
+                            part[i][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * k + 1), od, part[i][v]);
+                        }
                     }
                 }
             }
-            for (int h = 0; h < 2; h++) { /* 2^(s - 127) (E4M3: 2^(s + 8 - 127)) as fp32 bits (s = 0 only where every
-                                           * code is 0) */
-                __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
-                    _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                         (const __m128i *)(scales + g * COL_BLOCK + q + 8 * h))),
-                                     _mm256_set1_epi32(scale_shift)),
-                    23));
+            for (int v = 0; v < VW; v++) { /* 2^(s - 127), E4M3's 2^8 more (s = 0 only where every code is 0) */
+                __m256 scale = column_scales(scales + g * COL_BLOCK + q + 8 * v, scale_shift);
                 for (int i = 0; i < NT; i++) {
-                    float *a = acc + i * COL_BLOCK + q + 8 * h;
-                    __m256 sum = apart ? _mm256_add_ps(part[i][h], part_odd[i % 2][h]) : part[i][h];
-                    _mm256_storeu_ps(a, _mm256_fmadd_ps(sum, scale, _mm256_loadu_ps(a)));
+                    float *a = acc + i * COL_BLOCK + q + 8 * v;
+                    _mm256_storeu_ps(a, _mm256_fmadd_ps(part[i][v], scale, _mm256_loadu_ps(a)));
                 }
             }
         }
