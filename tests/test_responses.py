@@ -377,7 +377,11 @@ def test_function_call_item_and_the_tool_loop(tool_client):
 def test_disconnect_frees_the_request(server):
     """A client that leaves a long response, streamed after its first events or non-streamed before the end, aborts
     it: its pages and slot come back, and it generated far fewer tokens than it was allowed."""
-    body = {"model": MODEL, "input": "Count to a thousand.", "max_output_tokens": 1500, "temperature": 0}
+    # an array of at least 1500 items: whatever the random model's numbers, no end of text before 1500 tokens
+    count = {"type": "json_schema", "name": "count",
+             "schema": {"type": "array", "items": {"enum": [1]}, "minItems": 1500}}
+    body = {"model": MODEL, "input": "Count to a thousand.", "max_output_tokens": 1500, "temperature": 0,
+            "text": {"format": count}}
     generated = metric(server, "deltaserve:generation_tokens_total")
     with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, headers=server.headers,
                       timeout=60) as r:

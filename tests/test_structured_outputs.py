@@ -136,14 +136,24 @@ def test_chat_tool_choice_and_response_format(make_checkpoint, preset):
             (call,) = choice.message.tool_calls
             assert call.function.name == "add"
             jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
+        # one call, its arguments bounded by the schemas: every choice ends with it
+        single = client.chat.completions.create(
+            model="chat", messages=messages, tools=[WEATHER, ADD], n=10, temperature=1.0, max_tokens=300, seed=4,
+            tool_choice="required", parallel_tool_calls=False, extra_body=off)
+        for choice in single.choices:
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            tool = {"get_weather": WEATHER, "add": ADD}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        # parallel calls: a random model may go on calling until max_tokens, but each choice starts with a whole call
         required = client.chat.completions.create(
             model="chat", messages=messages, tools=[WEATHER, ADD], n=10, temperature=1.0, max_tokens=300, seed=4,
             tool_choice="required", extra_body=off)
         for choice in required.choices:
-            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
-            for call in choice.message.tool_calls:
-                tool = {"get_weather": WEATHER, "add": ADD}[call.function.name]
-                jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+            assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls, choice
+            first = choice.message.tool_calls[0]
+            tool = {"get_weather": WEATHER, "add": ADD}[first.function.name]
+            jsonschema.validate(json.loads(first.function.arguments), tool["function"]["parameters"])
         formatted = client.chat.completions.create(
             model="chat", messages=messages, n=10, temperature=1.0, max_tokens=200, seed=5, extra_body=off,
             response_format={"type": "json_schema", "json_schema": {"name": "add", "schema": ADD["function"][
