@@ -62,6 +62,15 @@ mx_matrix mx_at(const mx_matrix *w, int64_t e, int64_t N, int64_t K) {
     return m;
 }
 
+/* Where block b of a column-packed MX matrix of K (K a multiple of 32) keeps its codes and its scales. */
+static inline const uint8_t *block_codes_of(const mx_matrix *w, int64_t b, int64_t K) {
+    return (const uint8_t *)w->data + b * (K / 2) * (w->format == MAT_E2M1 ? COL_BLOCK : 2 * COL_BLOCK);
+}
+
+static inline const uint8_t *block_scales_of(const mx_matrix *w, int64_t b, int64_t K) {
+    return w->scales + b * (K / 32) * COL_BLOCK;
+}
+
 /* The exponent-field offset of each of a group's 64 columns, as 16-bit lanes twice per column (both elements of a
  * pair): off[c][j] = (scale_c - 127) << 7. */
 static inline void scale_offsets(const uint8_t *scales, int16_t off[COL_BLOCK][2]) {
@@ -125,7 +134,7 @@ static inline void store_pair_words(__m256i even, __m256i odd, const __m256 *sc,
 #endif
 
 void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int64_t K, bf16 *dst) {
-    const uint8_t *scales = w->scales + b * (K / 32) * COL_BLOCK;
+    const uint8_t *scales = block_scales_of(w, b, K);
     int64_t pairs = (K + 1) / 2;
     for (int64_t g0 = p0; g0 < p1;) { /* a run of pairs under one group of scales (16 pairs = 32 of K) */
         int64_t g1 = (g0 / 16 + 1) * 16 < p1 ? (g0 / 16 + 1) * 16 : p1;
@@ -222,10 +231,9 @@ void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int6
  * Against the scratch path this skips the exponent add on every weight and the round trip through L1. */
 static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *x, const int NT, const mx_matrix *w,
                                                              int64_t b, int64_t K, float *acc) {
-    const int64_t pairs = K / 2, groups = K / 32;
-    const uint8_t *scales = w->scales + b * groups * COL_BLOCK;
+    const int64_t groups = K / 32;
+    const uint8_t *scales = block_scales_of(w, b, K), *src = block_codes_of(w, b, K);
     const int fp4 = w->format == MAT_E2M1;
-    const uint8_t *src = (const uint8_t *)w->data + b * pairs * (fp4 ? COL_BLOCK : 2 * COL_BLOCK);
     __m512i table[4];
     for (int j = 0; j < 4; j++)
         table[j] = fp4 ? _mm512_loadu_si512(E2M1_VALUE) : _mm512_loadu_si512(E4M3_MAGNITUDE + 32 * j);
@@ -283,10 +291,9 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
  * row's two inputs multiply; the group's sums are then scaled into acc, as above. */
 static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *x, const int NT, const mx_matrix *w,
                                                              int64_t b, int64_t K, float *acc) {
-    const int64_t pairs = K / 2, groups = K / 32;
-    const uint8_t *scales = w->scales + b * groups * COL_BLOCK;
+    const int64_t groups = K / 32;
+    const uint8_t *scales = block_scales_of(w, b, K), *src = block_codes_of(w, b, K);
     const int fp4 = w->format == MAT_E2M1;
-    const uint8_t *src = (const uint8_t *)w->data + b * pairs * (fp4 ? COL_BLOCK : 2 * COL_BLOCK);
     const int scale_shift = fp4 ? 0 : 8;
     const int VW = NT <= 2 ? 4 : 2; /* as in experts.c's outer tile */
     for (int64_t g = 0; g < groups; g++) {
