@@ -80,8 +80,8 @@ def compiler() -> str | None:
 def native_library() -> ctypes.CDLL | None:
     """The loaded kernels, or None when there is no compiler or the build fails (logged once). The log also says
     what the build is vectorised for: the kernels are written for AVX-512 with BF16 pairs (and AMX tiles); the
-    column products (experts, column-packed and MX linears) also have AVX2 + FMA + F16C forms; elsewhere, and on
-    other CPUs (ARM), their portable forms compile, vectorised as far as the compiler manages."""
+    products that read weights (dot tiles, column tiles, MX decoding) also have AVX2 + FMA (+ F16C for MX) forms; the
+    rest, and everything on other CPUs (ARM), compiles from portable C, vectorised as far as the compiler manages."""
     lib = build_library(FLAGS)
     if lib is None:
         return None
@@ -89,8 +89,8 @@ def native_library() -> ctypes.CDLL | None:
     if isa & ISA_AVX512BF16:
         log.debug("native kernels (%s): AVX-512 BF16%s", target, " and AMX-BF16 tiles" if isa & ISA_AMX_BF16 else "")
     else:
-        log.debug("native kernels (%s): built without AVX-512 BF16, so their AVX2 column products (with AVX2, FMA "
-                  "and F16C) and portable forms run, vectorised by the compiler for %s", target,
+        log.debug("native kernels (%s): built without AVX-512 BF16, so their AVX2 products (where the build has "
+                  "AVX2 and FMA) and portable forms run, vectorised by the compiler for %s", target,
                   isa_names(isa) or platform.machine() or "this CPU")
     return lib
 
@@ -116,8 +116,8 @@ def native_choice() -> tuple[bool, str]:
     if isa & ISA_AVX512BF16:
         return True, (f"{machine} built for {names} ({target}): the native kernels run the AVX-512 BF16 forms they "
                       "are written for")
-    return True, (f"{machine} built for {names} ({target}): the native kernels' AVX2 column products and portable "
-                  "forms, measured faster than torch on an AVX2 EPYC (BENCHMARKS.md)")
+    return True, (f"{machine} built for {names} ({target}): the native kernels' AVX2 products and portable forms, "
+                  "measured faster than torch on an AVX2 EPYC (BENCHMARKS.md)")
 
 
 def build_library(flags: list[str]) -> ctypes.CDLL | None:

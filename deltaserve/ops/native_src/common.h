@@ -160,7 +160,8 @@ static inline __attribute__((always_inline)) void dot_tile_n(const bf16 *const *
                 __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
                 h = _mm_add_ps(h, _mm_movehl_ps(h, h));
                 float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-                for (int64_t t = k; t < K; t++) s += bf16_to_f32(x[i0 + i][t]) * bf16_to_f32(w[j][t / 32 * kstep + t % 32]);
+                for (int64_t t = k; t < K; t++)
+                    s += bf16_to_f32(x[i0 + i][t]) * bf16_to_f32(w[j][t / 32 * kstep + t % 32]);
                 out[i0 + i][j] = s;
             }
     }

@@ -57,12 +57,13 @@ void mx_quantize_row(bf16 *x, int64_t n, int act);
  * F16C ones; others 0). */
 #if defined(__AVX512BF16__)
 #define MX_FEW_ROWS 4
-void mx_block_few(const bf16 *const *x, int m, const mx_matrix *w, int64_t b, int64_t K, float *acc);
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MX_FEW_ROWS 6
-void mx_block_few(const bf16 *const *x, int m, const mx_matrix *w, int64_t b, int64_t K, float *acc);
 #else
 #define MX_FEW_ROWS 0
+#endif
+#if MX_FEW_ROWS
+void mx_block_few(const bf16 *const *x, int m, const mx_matrix *w, int64_t b, int64_t K, float *acc);
 #endif
 /* tiles.c: products of TILE_MIN_ROWS rows and more take the AMX tile unit (ds_tiles_usable), the AVX512-BF16 pair
  * products otherwise. tile_block_product is experts.c's block_product for rows at a stride over K's whole groups

@@ -93,7 +93,7 @@ static inline bf16 e2m1_bf16(uint8_t code, int16_t off) {
  * fp16's go, the sign at 15 and eeeemmm at 7-13 (both formats' subnormals are their mantissa times the smallest
  * normal's ulp, so subnormal codes come out right too); the half-to-single conversion widens them exactly and
  * keeps subnormal halves whatever MXCSR says. */
-static inline void e4m3_pairs_as_halves(__m256i word, __m256i *even, __m256i *odd) {
+static inline __attribute__((always_inline)) void e4m3_pairs_as_halves(__m256i word, __m256i *even, __m256i *odd) {
     const __m256i bits = _mm256_set1_epi16((short)0xbf80);
     /* code << 8 shifted right by one with its sign: sign at 15 (and 14, cleared) */
     *even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(word, 8), 1), bits);
@@ -102,7 +102,7 @@ static inline void e4m3_pairs_as_halves(__m256i word, __m256i *even, __m256i *od
 
 /* 16 bytes of E2M1 pairs (element 2p the low nibble) as fp16s of each code's value, even codes in *even (columns 0-7
  * in the low half), odd in *odd. */
-static inline void e2m1_pairs_as_halves(__m128i byte, __m256i *even, __m256i *odd) {
+static inline __attribute__((always_inline)) void e2m1_pairs_as_halves(__m128i byte, __m256i *even, __m256i *odd) {
     const __m128i table = _mm_loadu_si128((const __m128i *)E2M1_HALF_HIGH), nibble = _mm_set1_epi8(0x0f);
     __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(byte, nibble));
     __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(byte, 4), nibble));
@@ -110,10 +110,27 @@ static inline void e2m1_pairs_as_halves(__m128i byte, __m256i *even, __m256i *od
     *odd = _mm256_set_m128i(_mm_unpackhi_epi8(_mm_setzero_si128(), hi), _mm_unpacklo_epi8(_mm_setzero_si128(), hi));
 }
 
-/* The scales of 8 columns as fp32 multipliers 2^(s - 127 + shift) (fp32 bits (s + shift) << 23). */
-static inline __m256 column_scales(const uint8_t *scale, int shift) {
+/* Half h of v (0: the low 128 bits). */
+static inline __m128i half_of(__m256i v, int h) {
+    return h ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+}
+
+/* Columns c .. c + 15 of pair p of a block's codes (block_codes_of) as fp16s, even elements in *even and odd ones in
+ * *odd, columns c .. c + 7 in the low halves; E4M3's carry 2^-8 (column_scales gives it back). */
+static inline __attribute__((always_inline)) void pair_halves(const uint8_t *src, int fp4, int64_t p, int c,
+                                                              __m256i *even, __m256i *odd) {
+    if (fp4)
+        e2m1_pairs_as_halves(_mm_loadu_si128((const __m128i *)(src + p * COL_BLOCK + c)), even, odd);
+    else
+        e4m3_pairs_as_halves(_mm256_loadu_si256((const __m256i *)(src + p * 2 * COL_BLOCK + 2 * c)), even, odd);
+}
+
+/* The scales of 8 columns as fp32 multipliers of pair_halves' values: 2^(s - 127), for E4M3 2^8 more (fp32 bits
+ * (s + shift) << 23; s = 0 only where every code is 0). */
+static inline __m256 column_scales(const uint8_t *scale, int fp4) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)scale)), _mm256_set1_epi32(shift)), 23));
+        _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)scale)), _mm256_set1_epi32(fp4 ? 0 : 8)),
+        23));
 }
 
 /* 16 columns of one pair step (fp16s of even and odd elements, columns 0-7 in the low halves) as bf16 pair words:
@@ -123,25 +140,40 @@ static inline __m256 column_scales(const uint8_t *scale, int shift) {
 static inline void store_pair_words(__m256i even, __m256i odd, const __m256 *sc, bf16 *out) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int h = 0; h < 2; h++) {
-        __m128i e = h ? _mm256_extracti128_si256(even, 1) : _mm256_castsi256_si128(even);
-        __m128i o = h ? _mm256_extracti128_si256(odd, 1) : _mm256_castsi256_si128(odd);
-        __m256i ev = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(e), sc[h]));
-        __m256i od = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(o), sc[h]));
+        __m256i ev = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(half_of(even, h)), sc[h]));
+        __m256i od = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(half_of(odd, h)), sc[h]));
         _mm256_storeu_si256((__m256i *)(out + 16 * h), _mm256_or_si256(_mm256_srli_epi32(ev, 16),
                                                                        _mm256_and_si256(od, high)));
+    }
+}
+
+/* mx_decode_pairs for pairs [g0, g1) under one group of scales, into out [g1 - g0][64][2]. */
+static inline void decode_group(const mx_matrix *w, int64_t b, int64_t g0, int64_t g1, int64_t K, bf16 *out) {
+    const int fp4 = w->format == MAT_E2M1;
+    const uint8_t *src = block_codes_of(w, b, K), *scales = block_scales_of(w, b, K) + g0 / 16 * COL_BLOCK;
+    __m256 sc[COL_BLOCK / 8];
+    for (int j = 0; j < COL_BLOCK / 8; j++) sc[j] = column_scales(scales + 8 * j, fp4);
+    for (int64_t p = g0; p < g1; p++, out += 2 * COL_BLOCK) {
+        ask_stream(src + p * (fp4 ? COL_BLOCK : 2 * COL_BLOCK));
+        if (!fp4) ask_stream(src + p * 2 * COL_BLOCK + 64);
+        for (int q = 0; q < COL_BLOCK; q += 16) {
+            __m256i even, odd;
+            pair_halves(src, fp4, p, q, &even, &odd);
+            store_pair_words(even, odd, sc + q / 8, out + 2 * q);
+        }
     }
 }
 #endif
 
 void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int64_t K, bf16 *dst) {
-    const uint8_t *scales = block_scales_of(w, b, K);
-    int64_t pairs = (K + 1) / 2;
     for (int64_t g0 = p0; g0 < p1;) { /* a run of pairs under one group of scales (16 pairs = 32 of K) */
         int64_t g1 = (g0 / 16 + 1) * 16 < p1 ? (g0 / 16 + 1) * 16 : p1;
-#if defined(__AVX512BW__) || !(defined(__AVX2__) && defined(__F16C__))
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512BW__)
+        decode_group(w, b, g0, g1, K, dst + (g0 - p0) * 2 * COL_BLOCK);
+#else
+        const int64_t pairs = (K + 1) / 2;
         int16_t off[COL_BLOCK][2];
-        scale_offsets(scales + g0 / 16 * COL_BLOCK, off);
-#endif
+        scale_offsets(block_scales_of(w, b, K) + g0 / 16 * COL_BLOCK, off);
         if (w->format == MAT_E4M3) {
             const uint8_t *src = (const uint8_t *)w->data + (b * pairs + g0) * 2 * COL_BLOCK;
             bf16 *out = dst + (g0 - p0) * 2 * COL_BLOCK;
@@ -163,18 +195,6 @@ void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int6
                     v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(mag, mag), v, offv[j]);
                     v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(0x80)), 8));
                     _mm512_storeu_si512(out + 32 * j, v);
-                }
-            }
-#elif defined(__AVX2__) && defined(__F16C__)
-            __m256 sc[COL_BLOCK / 8];
-            for (int j = 0; j < COL_BLOCK / 8; j++) sc[j] = column_scales(scales + g0 / 16 * COL_BLOCK + 8 * j, 8);
-            for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK) {
-                ask_stream(src);
-                ask_stream(src + 64);
-                for (int q = 0; q < COL_BLOCK; q += 16) {
-                    __m256i even, odd;
-                    e4m3_pairs_as_halves(_mm256_loadu_si256((const __m256i *)(src + 2 * q)), &even, &odd);
-                    store_pair_words(even, odd, sc + q / 8, out + 2 * q);
                 }
             }
 #else
@@ -201,17 +221,6 @@ void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int6
                     _mm512_storeu_si512(out + 32 * j, v);
                 }
             }
-#elif defined(__AVX2__) && defined(__F16C__)
-            __m256 sc[COL_BLOCK / 8];
-            for (int j = 0; j < COL_BLOCK / 8; j++) sc[j] = column_scales(scales + g0 / 16 * COL_BLOCK + 8 * j, 0);
-            for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK) {
-                ask_stream(src);
-                for (int q = 0; q < COL_BLOCK; q += 16) {
-                    __m256i even, odd;
-                    e2m1_pairs_as_halves(_mm_loadu_si128((const __m128i *)(src + q)), &even, &odd);
-                    store_pair_words(even, odd, sc + q / 8, out + 2 * q);
-                }
-            }
 #else
             for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK)
                 for (int c = 0; c < COL_BLOCK; c++) {
@@ -220,6 +229,7 @@ void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int6
                 }
 #endif
         }
+#endif
         g0 = g1;
     }
 }
@@ -284,17 +294,15 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
-/* few_rows_n for AVX2 + FMA + F16C: the codes become fp16s (e4m3_pairs_as_halves, e2m1_pairs_as_halves; E4M3's
- * carry 2^-8, which the columns' scales give back) that the half-to-single conversion widens exactly. Per group of
- * 16 pairs (32 of K, one scale per column) the rows' inputs are widened to fp32 once; VW vectors of 8 columns per
- * row at a time (experts.c's outer tile says why), each column's pair giving an even and an odd vector that the
- * row's two inputs multiply; the group's sums are then scaled into acc, as above. */
+/* few_rows_n for AVX2 + FMA + F16C: the codes become fp16s (pair_halves) that the half-to-single conversion widens
+ * exactly. Per group of 16 pairs (32 of K, one scale per column) the rows' inputs are widened to fp32 once; VW
+ * vectors of 8 columns per row at a time (experts.c's outer tile says why), each column's pair giving an even and an
+ * odd vector that the row's two inputs multiply; the group's sums are then scaled into acc, as above. */
 static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *x, const int NT, const mx_matrix *w,
                                                              int64_t b, int64_t K, float *acc) {
     const int64_t groups = K / 32;
     const uint8_t *scales = block_scales_of(w, b, K), *src = block_codes_of(w, b, K);
     const int fp4 = w->format == MAT_E2M1;
-    const int scale_shift = fp4 ? 0 : 8;
     const int VW = NT <= 2 ? 4 : 2; /* as in experts.c's outer tile */
     for (int64_t g = 0; g < groups; g++) {
         float xf[MX_FEW_ROWS][32];
@@ -310,24 +318,18 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
                 for (int v = 0; v < VW; v++) part[i][v] = _mm256_setzero_ps();
             for (int k = 0; k < 16; k++) {
                 const int64_t p = g * 16 + k;
-                for (int c = q; c < q + 8 * VW; c += 16) { /* columns c .. c + 15 as fp16s */
+                for (int c = q; c < q + 8 * VW; c += 16) {
                     __m256i even, odd;
-                    if (fp4) {
-                        const uint8_t *at = src + p * COL_BLOCK + c;
-                        if (c == 0) ask_stream(at + 8 * COL_BLOCK);
-                        e2m1_pairs_as_halves(_mm_loadu_si128((const __m128i *)at), &even, &odd);
-                    } else {
-                        const uint8_t *at = src + p * 2 * COL_BLOCK + 2 * c;
-                        if (c == 0) {
-                            ask_stream(at + 16 * 2 * COL_BLOCK);
-                            ask_stream(at + 16 * 2 * COL_BLOCK + 64);
-                        }
-                        e4m3_pairs_as_halves(_mm256_loadu_si256((const __m256i *)at), &even, &odd);
+                    if (c == 0 && fp4) /* the stream 8 (E2M1) or 16 (E4M3) pairs ahead: 512 B, 2 KiB */
+                        ask_stream(src + (p + 8) * COL_BLOCK);
+                    else if (c == 0) {
+                        ask_stream(src + (p + 16) * 2 * COL_BLOCK);
+                        ask_stream(src + (p + 16) * 2 * COL_BLOCK + 64);
                     }
+                    pair_halves(src, fp4, p, c, &even, &odd);
                     for (int h = 0; h < 2; h++) {
                         const int v = (c - q) / 8 + h;
-                        __m256 ev = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(even, 1) : _mm256_castsi256_si128(even));
-                        __m256 od = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(odd, 1) : _mm256_castsi256_si128(odd));
+                        __m256 ev = _mm256_cvtph_ps(half_of(even, h)), od = _mm256_cvtph_ps(half_of(odd, h));
                         for (int i = 0; i < NT; i++) {
                             part[i][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * k), ev, part[i][v]);
                             part[i][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xf[i] + 2 * k + 1), od, part[i][v]);
@@ -335,8 +337,8 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
                     }
                 }
             }
-            for (int v = 0; v < VW; v++) { /* 2^(s - 127), E4M3's 2^8 more (s = 0 only where every code is 0) */
-                __m256 scale = column_scales(scales + g * COL_BLOCK + q + 8 * v, scale_shift);
+            for (int v = 0; v < VW; v++) {
+                __m256 scale = column_scales(scales + g * COL_BLOCK + q + 8 * v, fp4);
                 for (int i = 0; i < NT; i++) {
                     float *a = acc + i * COL_BLOCK + q + 8 * v;
                     _mm256_storeu_ps(a, _mm256_fmadd_ps(part[i][v], scale, _mm256_loadu_ps(a)));
