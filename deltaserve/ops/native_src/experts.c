@@ -171,11 +171,12 @@ static inline int64_t decode_scratch(const mx_matrix *w, int64_t K) {
     return w->format == MAT_BF16 ? 0 : pairs_of(K) * 2 * COL_BLOCK;
 }
 
-/* bf16_rows_product over block b of any column-packed matrix w (mx.c). Up to MX_FEW_ROWS rows (off the tile unit)
- * take mx_block_few, which decodes in registers. Otherwise an MX block is decoded into `scratch`
- * (decode_scratch elements): for up to TILED_TOKENS rows on the pair products a chunk of K_CHUNK pairs at a time,
- * each serving every token tile from L1 as block_product's chunks do; for more rows, or on the tile unit, the
- * whole block once, which the bf16 product then reads as its one block. */
+/* bf16_rows_product over block b of any column-packed matrix w (mx.c). On the tile unit (from TILE_MIN_ROWS rows, as
+ * bf16 products), up to TILE_MAX_ROWS rows take tile_mx_block (a group of 32 of K decoded into `scratch`, then
+ * multiplied); more rows decode the whole block once, which the bf16 product then reads as its one block. Off it,
+ * up to MX_FEW_ROWS rows take mx_block_few, which decodes in registers; more decode a chunk of K_CHUNK pairs at a
+ * time into `scratch` (decode_scratch elements), each serving every token tile from L1 as block_product's chunks
+ * do, or past TILED_TOKENS rows the whole block. */
 static void rows_product(const bf16 *const *rows, const bf16 *x, int64_t ld, int64_t m, const mx_matrix *w,
                          int64_t b, int64_t K, int tiles, float *acc, bf16 *scratch) {
     if (w->format == MAT_BF16) {
@@ -183,13 +184,18 @@ static void rows_product(const bf16 *const *rows, const bf16 *x, int64_t ld, int
         return;
     }
     int64_t pairs = pairs_of(K);
+    const int tiled = tiles && m >= TILE_MIN_ROWS;
+    if (tiled && m <= TILE_MAX_ROWS) {
+        tile_mx_block(x, ld, m, w, b, K, acc, scratch);
+        return;
+    }
 #if MX_FEW_ROWS
-    if (m <= MX_FEW_ROWS && !(tiles && m >= TILE_MIN_ROWS)) {
+    if (m <= MX_FEW_ROWS && !tiled) {
         mx_block_few(rows, (int)m, w, b, K, acc);
         return;
     }
 #endif
-    if ((tiles && m >= TILE_MIN_ROWS) || m > TILED_TOKENS) {
+    if (tiled || m > TILED_TOKENS) {
         mx_decode_pairs(w, b, 0, pairs, K, scratch);
         bf16_rows_product(rows, x, ld, m, scratch, 0, K, tiles, acc);
         return;

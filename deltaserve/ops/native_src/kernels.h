@@ -52,6 +52,11 @@ int64_t mx_scale_bytes(int64_t format, int64_t N, int64_t K);
 mx_matrix mx_at(const mx_matrix *w, int64_t e, int64_t N, int64_t K);
 void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int64_t K, bf16 *dst);
 void mx_quantize_row(bf16 *x, int64_t n, int act);
+#if defined(__AVX512BW__)
+/* mx.c: group g (pairs 16 g .. 16 g + 15) of MX block b, columns 32 half .. 32 half + 31 only, decoded with their
+ * scales: out [16][32][2] bf16 (tiles.c's two-row-tile product). */
+void mx_decode_half(const mx_matrix *w, int64_t b, int64_t g, int64_t K, int half, bf16 *out);
+#endif
 /* mx.c: acc [m][64] = m <= MX_FEW_ROWS rows x (K bf16 each, K a multiple of 32) times MX block b of w, its codes
  * decoded in registers and the scales applied per 32 of K to the fp32 sums (AVX-512 BF16 builds and AVX2 + FMA +
  * F16C ones; others 0). */
@@ -70,5 +75,10 @@ void mx_block_few(const bf16 *const *x, int m, const mx_matrix *w, int64_t b, in
  * of 32: acc [m][64] = x [m] (stride ldx) times block b of column-packed w [N, K], pairs [0, 16 (K / 32)) only;
  * experts.c adds the pairs past them. */
 void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, int64_t b, int64_t K, float *acc);
+/* tiles.c: acc [m][64] = m <= TILE_MAX_ROWS rows x (stride ldx) times MX block b of w, decoded a group of 32 of K at
+ * a time into buf (at least 4 KiB) and multiplied there on the tile unit. */
+#define TILE_MAX_ROWS 32
+void tile_mx_block(const bf16 *x, int64_t ldx, int64_t m, const mx_matrix *w, int64_t b, int64_t K, float *acc,
+                   bf16 *buf);
 
 #endif

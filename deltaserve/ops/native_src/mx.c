@@ -31,12 +31,17 @@ static const bf16 E4M3_MAGNITUDE[128] = {
     0x4300, 0x4310, 0x4320, 0x4330, 0x4340, 0x4350, 0x4360, 0x4370, 0x4380, 0x4390, 0x43a0, 0x43b0, 0x43c0, 0x43d0,
     0x43e0, 0x7fc0,
 };
-/* The bf16 bits of each E2M1 code (sign in bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; 32 entries so
- * one register holds the table for a 16-bit permute. */
+/* The bf16 bits of each E2M1 code (sign in bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, twice: a 16-bit
+ * permute reads the low 5 bits of its index, and bit 4 of e2m1_index's words is another code's bit. */
 static const bf16 E2M1_VALUE[32] = {
     0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
     0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+    0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
 };
+/* The bf16 bits of the E4M3 magnitudes whose exponent field is 0 (zero and the subnormals m 2^-9), at index
+ * code & 31 (bit 3, the exponent's lowest, is 0 there); the rest unused. */
+static const bf16 E4M3_LOW[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
 
 /* The high byte of each E2M1 code's value as an fp16 (whose low byte is 0), a byte shuffle's 16-entry table: 0, 0.5,
  * 1, 1.5, 2, 3, 4, 6 and their negatives (sign in bit 3). */
@@ -87,6 +92,42 @@ static inline bf16 e2m1_bf16(uint8_t code, int16_t off) {
     uint16_t v = E2M1_VALUE[code & 15];
     return (bf16)(code & 7 ? (uint16_t)(v + off) : v);
 }
+
+#if defined(__AVX512BW__)
+/* 32 E4M3 codes (16 columns' pairs, even code first) as bf16 words times 2^off (off: per word, the exponent-field
+ * offset (s - 127) << 7 of its column; base = off + 0x3c00). A normal code s eeee mmm is the bf16 s, eeee + 120,
+ * mmm0000, times 2^off: the code sign-extended to 16 bits and shifted left by 4 puts the sign at 15 (bits 11-14,
+ * copies of it, are masked off) and eeeemmm at 4-10, and adding base moves the exponent; it stays in bf16's normal
+ * range, so nothing carries into the sign (mx_columns checks the scales). The codes with exponent field 0 (zero and
+ * the subnormals, rare in weights) take the table E4M3_LOW, their offset, and their sign. */
+static inline __attribute__((always_inline)) __m512i e4m3_words(const uint8_t *src, __m512i base, __m512i off,
+                                                                __m512i low) {
+    __m512i sx = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)src));
+    __m512i v = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(sx, 4), _mm512_set1_epi16((short)0x87f0)), base);
+    __mmask32 small = _mm512_testn_epi16_mask(sx, _mm512_set1_epi16(0x78));
+    if (__builtin_expect(small != 0, 0)) {
+        __m512i t = _mm512_permutexvar_epi16(sx, low);
+        t = _mm512_mask_add_epi16(t, _mm512_test_epi16_mask(sx, _mm512_set1_epi16(7)), t, off);
+        t = _mm512_ternarylogic_epi32(t, sx, _mm512_set1_epi16((short)0x8000), 0xF8); /* t | (sx & sign) */
+        v = _mm512_mask_mov_epi16(v, small, t);
+    }
+    return v;
+}
+
+/* 16 bytes of E2M1 pairs (column c's in byte c, element 2p in the low nibble) as 32 permute indices: word 2c the
+ * low nibble (bit 4 is the high one's bit 0: E2M1_VALUE repeats), word 2c + 1 the high nibble. */
+static inline __attribute__((always_inline)) __m512i e2m1_index(const uint8_t *src) {
+    __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+    return _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
+}
+
+/* The exponent-field offsets (s - 127) << 7 of 16 columns' scales, each twice (both elements of a pair). */
+static inline __m512i pair_offsets(const uint8_t *scales) {
+    __m512i o = _mm512_slli_epi32(
+        _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)scales)), _mm512_set1_epi32(127)), 7);
+    return _mm512_or_si512(_mm512_and_si512(o, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(o, 16));
+}
+#endif
 
 #if defined(__AVX2__) && defined(__F16C__)
 /* 16 words of E4M3 pairs (even code low) as fp16s of each code's value times 2^-8: the code's bits placed where an
@@ -165,70 +206,75 @@ static inline void decode_group(const mx_matrix *w, int64_t b, int64_t g0, int64
 }
 #endif
 
+#if defined(__AVX512BW__)
+/* Pairs [g0, g1) of block b (within one group of 16, one scale per column), columns 16 j0 .. 16 j1 - 1, decoded with
+ * their scales: out [g1 - g0][16 (j1 - j0)][2] at `stride` bf16 from one pair to the next. */
+static inline __attribute__((always_inline)) void decode_run(const mx_matrix *w, int64_t b, int64_t g0, int64_t g1,
+                                                              int64_t K, int j0, int j1, bf16 *out, int64_t stride) {
+    const uint8_t *scales = block_scales_of(w, b, K) + g0 / 16 * COL_BLOCK;
+    __m512i off[COL_BLOCK / 16];
+    for (int j = j0; j < j1; j++) off[j] = pair_offsets(scales + 16 * j);
+    if (w->format == MAT_E4M3) {
+        const uint8_t *src = block_codes_of(w, b, K) + g0 * 2 * COL_BLOCK;
+        const __m512i low = _mm512_loadu_si512(E4M3_LOW);
+        __m512i base[COL_BLOCK / 16];
+        for (int j = j0; j < j1; j++) base[j] = _mm512_add_epi16(off[j], _mm512_set1_epi16(0x3c00));
+        for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += stride) {
+            ask_stream(src);
+            ask_stream(src + 64);
+            for (int j = j0; j < j1; j++)
+                _mm512_storeu_si512(out + 32 * (j - j0), e4m3_words(src + 32 * j, base[j], off[j], low));
+        }
+    } else {
+        const uint8_t *src = block_codes_of(w, b, K) + g0 * COL_BLOCK;
+        const __m512i table = _mm512_loadu_si512(E2M1_VALUE);
+        for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += stride) {
+            ask_stream(src);
+            for (int j = j0; j < j1; j++) {
+                __m512i idx = e2m1_index(src + 16 * j);
+                __m512i v = _mm512_permutexvar_epi16(idx, table);
+                /* the offset on non-zero codes only (a zero's exponent must stay 0) */
+                v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(idx, _mm512_set1_epi16(7)), v, off[j]);
+                _mm512_storeu_si512(out + 32 * (j - j0), v);
+            }
+        }
+    }
+}
+
+void mx_decode_half(const mx_matrix *w, int64_t b, int64_t g, int64_t K, int half, bf16 *out) {
+    if (half) /* constant column ranges, so each call's loops unroll */
+        decode_run(w, b, 16 * g, 16 * g + 16, K, 2, 4, out, COL_BLOCK);
+    else
+        decode_run(w, b, 16 * g, 16 * g + 16, K, 0, 2, out, COL_BLOCK);
+}
+#endif
+
 void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int64_t K, bf16 *dst) {
     for (int64_t g0 = p0; g0 < p1;) { /* a run of pairs under one group of scales (16 pairs = 32 of K) */
         int64_t g1 = (g0 / 16 + 1) * 16 < p1 ? (g0 / 16 + 1) * 16 : p1;
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512BW__)
         decode_group(w, b, g0, g1, K, dst + (g0 - p0) * 2 * COL_BLOCK);
 #else
+        bf16 *out = dst + (g0 - p0) * 2 * COL_BLOCK;
+#if defined(__AVX512BW__)
+        decode_run(w, b, g0, g1, K, 0, COL_BLOCK / 16, out, 2 * COL_BLOCK);
+#else
         const int64_t pairs = (K + 1) / 2;
         int16_t off[COL_BLOCK][2];
         scale_offsets(block_scales_of(w, b, K) + g0 / 16 * COL_BLOCK, off);
         if (w->format == MAT_E4M3) {
             const uint8_t *src = (const uint8_t *)w->data + (b * pairs + g0) * 2 * COL_BLOCK;
-            bf16 *out = dst + (g0 - p0) * 2 * COL_BLOCK;
-#if defined(__AVX512BW__)
-            __m512i table[4];
-            for (int j = 0; j < 4; j++) table[j] = _mm512_loadu_si512(E4M3_MAGNITUDE + 32 * j);
-            __m512i offv[4];
-            for (int j = 0; j < 4; j++) offv[j] = _mm512_loadu_si512(off[16 * j]);
-            for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK) {
-                ask_stream(src);
-                ask_stream(src + 64);
-                for (int j = 0; j < 4; j++) {
-                    __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + 32 * j)));
-                    __m512i mag = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
-                    /* 128 entries: two 64-entry permutes, chosen by bit 6 */
-                    __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(mag, _mm512_set1_epi16(0x40)),
-                                                        _mm512_permutex2var_epi16(table[0], mag, table[1]),
-                                                        _mm512_permutex2var_epi16(table[2], mag, table[3]));
-                    v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(mag, mag), v, offv[j]);
-                    v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(0x80)), 8));
-                    _mm512_storeu_si512(out + 32 * j, v);
-                }
-            }
-#else
             for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK)
                 for (int c = 0; c < 2 * COL_BLOCK; c++) out[c] = e4m3_bf16(src[c], off[c / 2][c % 2]);
-#endif
         } else {
             const uint8_t *src = (const uint8_t *)w->data + (b * pairs + g0) * COL_BLOCK;
-            bf16 *out = dst + (g0 - p0) * 2 * COL_BLOCK;
-#if defined(__AVX512BW__)
-            const __m512i table = _mm512_loadu_si512(E2M1_VALUE);
-            __m512i offv[4];
-            for (int j = 0; j < 4; j++) offv[j] = _mm512_loadu_si512(off[16 * j]);
-            for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK) {
-                ask_stream(src);
-                for (int j = 0; j < 4; j++) {
-                    /* byte c -> 32-bit lane (low code, high code) as two 16-bit indices */
-                    __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 16 * j)));
-                    __m512i idx = _mm512_or_si512(_mm512_and_si512(byte, _mm512_set1_epi32(0x0f)),
-                                                  _mm512_slli_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(0xf0)),
-                                                                    12));
-                    __m512i v = _mm512_permutexvar_epi16(idx, table);
-                    v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(idx, _mm512_set1_epi16(7)), v, offv[j]);
-                    _mm512_storeu_si512(out + 32 * j, v);
-                }
-            }
-#else
             for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK)
                 for (int c = 0; c < COL_BLOCK; c++) {
                     out[2 * c] = e2m1_bf16(src[c] & 15, off[c][0]);
                     out[2 * c + 1] = e2m1_bf16(src[c] >> 4, off[c][1]);
                 }
-#endif
         }
+#endif
 #endif
         g0 = g1;
     }
@@ -244,11 +290,8 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
     const int64_t groups = K / 32;
     const uint8_t *scales = block_scales_of(w, b, K), *src = block_codes_of(w, b, K);
     const int fp4 = w->format == MAT_E2M1;
-    __m512i table[4];
-    for (int j = 0; j < 4; j++)
-        table[j] = fp4 ? _mm512_loadu_si512(E2M1_VALUE) : _mm512_loadu_si512(E4M3_MAGNITUDE + 32 * j);
-    const __m512i nibbles = _mm512_set1_epi32(0x000f000f), bit6 = _mm512_set1_epi16(0x40);
-    const __m512i sign = _mm512_set1_epi16((short)0x8000);
+    const __m512i table = _mm512_loadu_si512(fp4 ? E2M1_VALUE : E4M3_LOW);
+    const __m512i base = _mm512_set1_epi16(0x3c00), none = _mm512_setzero_si512();
     for (int64_t g = 0; g < groups; g++) {
         __m512 part[MX_FEW_ROWS][4];
         for (int i = 0; i < NT; i++)
@@ -257,24 +300,12 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
             __m512i v[4];
             if (fp4) { /* 64 bytes: column c's pair in byte c (element 2p low nibble) */
                 ask_stream(src + (p + 8) * COL_BLOCK);
-                for (int j = 0; j < 4; j++) {
-                    __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + p * COL_BLOCK + 16 * j)));
-                    /* word 0 of each lane: the low nibble, word 1: the high one */
-                    __m512i idx = _mm512_ternarylogic_epi32(byte, _mm512_slli_epi32(byte, 12), nibbles, 0xA8);
-                    v[j] = _mm512_permutexvar_epi16(idx, table[0]);
-                }
+                for (int j = 0; j < 4; j++) v[j] = _mm512_permutexvar_epi16(e2m1_index(src + p * COL_BLOCK + 16 * j), table);
             } else { /* 128 codes: column c's pair in bytes 2c, 2c + 1 */
                 const uint8_t *at = src + p * 2 * COL_BLOCK;
                 ask_stream(at + 16 * 2 * COL_BLOCK);
                 ask_stream(at + 16 * 2 * COL_BLOCK + 64);
-                for (int j = 0; j < 4; j++) {
-                    __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(at + 32 * j)));
-                    /* 128 magnitudes: two 64-entry permutes (index bits 0-5), chosen by bit 6; the sign from bit 7 */
-                    __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(code, bit6),
-                                                          _mm512_permutex2var_epi16(table[0], code, table[1]),
-                                                          _mm512_permutex2var_epi16(table[2], code, table[3]));
-                    v[j] = _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(code, 8), sign, 0xF8);
-                }
+                for (int j = 0; j < 4; j++) v[j] = e4m3_words(at + 32 * j, base, none, table);
             }
             for (int i = 0; i < NT; i++) {
                 __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x[i] + 2 * p));

@@ -137,8 +137,127 @@ void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, in
         tile_rows(x + i0 * ldx, ldx, groups, wb, i0 == 0, acc + i0 * 64);
     }
 }
+/* acc [m][64] = m <= TILE_MAX_ROWS rows x (stride ldx) times block b of the MX matrix w (mx.c; K a multiple of 32):
+ * each group of 16 pairs (32 of K) is decoded with its scales into a [16][64][2] bf16 buffer (4 KiB, in L1) and
+ * multiplied on the tile unit, the sums staying in the tiles over the whole K. Why: from TILE_MIN_ROWS rows the
+ * pair products' multiply rate, not the decoding, bounds an MX block (mx_block_few, below that, decodes in
+ * registers and wins there); the tile unit takes every row of a group in a few instructions, and the block
+ * streams once. Two buffers alternate, and group g + 1 is decoded before group g's products: the tile
+ * loads cannot take data from stores still in flight, so they would wait for the decoder's last stores, and the
+ * decoder would wait for the products; staggered, each overlaps the other. buf holds 2 groups (1 when K = 32). */
+/* The input rows' next 32 of K (the next group's A tile) into L1: the rows lie a row stride apart, which the
+ * hardware prefetchers do not follow, and a tile load waits for each line it misses. */
+static inline __attribute__((always_inline)) void ask_rows(const bf16 *x, int64_t ldx, int64_t m, int64_t g) {
+    for (int64_t i = 0; i < m; i++) _mm_prefetch((const char *)(x + i * ldx + (g + 1) * 2 * TILE_PAIRS), _MM_HINT_T0);
+}
+
+static inline __attribute__((always_inline)) void mx_group_product(const bf16 *x, int64_t ldx, int64_t g,
+                                                                   const bf16 *wg) {
+    memory_barrier();
+    _tile_loadd(4, x + g * 2 * TILE_PAIRS, ldx * (int64_t)sizeof(bf16));
+    _tile_loadd(5, wg, 256);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, wg + 32, 256);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, wg + 64, 256);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, wg + 96, 256);
+    _tile_dpbf16ps(3, 4, 6);
+    memory_barrier();
+}
+
+/* Palette 1 for two row tiles over 32 columns: sums 0 and 1 (rows 0-15; columns 0-15 and 16-31), 2 and 3 (rows 16
+ * to 16 + rows1), inputs 4 (rows 0-15) and 5 (the rest), weights 6 and 7 (16 pairs x 16 columns). */
+static void configure_two(int rows1) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const uint8_t rows[8] = {16, 16, (uint8_t)rows1, (uint8_t)rows1, 16, (uint8_t)rows1, TILE_PAIRS, TILE_PAIRS};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = rows[t];
+        cfg.colsb[t] = 64;
+    }
+    tile_config now;
+    store_config(&now);
+    if (memcmp(&now, &cfg, sizeof cfg) != 0) load_config(&cfg);
+}
+
+/* tile_mx_block for 17 to 32 rows: eight tiles hold the sums of two row tiles over 32 columns, so each half of the
+ * block's columns is one pass over K (a group's half decoded into buf, [16][32][2]) and every decoded weight serves
+ * all rows once, as at 16 rows and fewer. */
+static void mx_block_two(const bf16 *x, int64_t ldx, int64_t m, const mx_matrix *w, int64_t b, int64_t K, float *acc,
+                         bf16 *buf) {
+    const int64_t groups = K / (2 * TILE_PAIRS), size = TILE_PAIRS * 2 * 32;
+    const int64_t stride = ldx * (int64_t)sizeof(bf16);
+    memory_barrier();
+    configure_two((int)m - 16);
+    for (int half = 0; half < 2; half++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        mx_decode_half(w, b, 0, K, half, buf);
+        for (int64_t g = 0; g < groups; g++) {
+            if (g + 1 < groups) {
+                ask_rows(x, ldx, m, g);
+                mx_decode_half(w, b, g + 1, K, half, buf + (g + 1) % 2 * size);
+            }
+            const bf16 *wg = buf + g % 2 * size;
+            memory_barrier();
+            _tile_loadd(4, x + g * 2 * TILE_PAIRS, stride);
+            _tile_loadd(5, x + 16 * ldx + g * 2 * TILE_PAIRS, stride);
+            _tile_loadd(6, wg, 128);
+            _tile_loadd(7, wg + 32, 128);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            memory_barrier();
+        }
+        float *a = acc + 32 * half;
+        _tile_stored(0, a, 64 * sizeof(float));
+        _tile_stored(1, a + 16, 64 * sizeof(float));
+        _tile_stored(2, a + 16 * 64, 64 * sizeof(float));
+        _tile_stored(3, a + 16 * 64 + 16, 64 * sizeof(float));
+        memory_barrier();
+    }
+}
+
+void tile_mx_block(const bf16 *x, int64_t ldx, int64_t m, const mx_matrix *w, int64_t b, int64_t K, float *acc,
+                   bf16 *buf) {
+    if (m > 16) {
+        mx_block_two(x, ldx, m, w, b, K, acc, buf);
+        return;
+    }
+    const int64_t groups = K / (2 * TILE_PAIRS), size = TILE_PAIRS * 2 * 64; /* bf16 of one decoded group */
+    memory_barrier();
+    configure((int)m);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    mx_decode_pairs(w, b, 0, TILE_PAIRS, K, buf);
+    for (int64_t g = 0; g < groups; g++) {
+        if (g + 1 < groups) {
+            ask_rows(x, ldx, m, g);
+            mx_decode_pairs(w, b, (g + 1) * TILE_PAIRS, (g + 2) * TILE_PAIRS, K, buf + (g + 1) % 2 * size);
+        }
+        mx_group_product(x, ldx, g, buf + g % 2 * size);
+    }
+    _tile_stored(0, acc, 64 * sizeof(float));
+    _tile_stored(1, acc + 16, 64 * sizeof(float));
+    _tile_stored(2, acc + 32, 64 * sizeof(float));
+    _tile_stored(3, acc + 48, 64 * sizeof(float));
+    memory_barrier();
+}
 #else
 int ds_tiles_usable(void) { return 0; }
+
+void tile_mx_block(const bf16 *x, int64_t ldx, int64_t m, const mx_matrix *w, int64_t b, int64_t K, float *acc,
+                   bf16 *buf) {
+    (void)x, (void)ldx, (void)m, (void)w, (void)b, (void)K, (void)acc, (void)buf;
+    abort(); /* callers ask ds_tiles_usable() first */
+}
 
 void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, int64_t b, int64_t K, float *acc) {
     (void)x, (void)ldx, (void)m, (void)w, (void)b, (void)K, (void)acc;
