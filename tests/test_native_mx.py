@@ -195,18 +195,19 @@ def test_mx_experts_match_the_reference_dispatch(D, I, T, scheme, tiles):
     assert (got == ref).float().mean() > 0.8
 
 
+@pytest.mark.parametrize("rule", [ScaleMode.RCEIL, ScaleMode.FLOOR], ids=lambda r: r.value)
 @pytest.mark.parametrize("T", [1, 13, 130])
-def test_mx_experts_with_a_shared_expert_add_both_outputs(T):
+def test_mx_experts_with_a_shared_expert_add_both_outputs(T, rule):
     """A shared MLP of MXFP8 linears (W8A8) in the MXFP4 experts' pass: bit for bit the routed output plus the MLP
     run alone on the kernel (one expert of weight 1), each rounded to bf16 and summed in bf16, and that MLP equals
-    its MXLinears' torch forward."""
+    its MXLinears' torch forward. With the routed experts' rule (RCEIL, as `mxfp`) the shared MLP reads their
+    quantised rows; with another it quantises its own."""
     E, D, I, IS, k = 8, 96, 64, 96, 2
     experts = _mx_experts(E, D, I, W4A8_MXFP4, T)
-    from deltaserve.layers.quantized import W8A8_MXFP8
     g = torch.Generator().manual_seed(T)
-    linears = [MXLinear.from_linear(torch.nn.Linear(i, o, bias=False), W8A8_MXFP8)
+    linears = [MXLinear.from_linear(torch.nn.Linear(i, o, bias=False), MXScheme(E4M3, E4M3, rule))
                for i, o in ((D, IS), (D, IS), (IS, D))]
-    shared = tuple(native.mx_columns(m.weight, m.weight_scale, E4M3).quantising(ScaleMode.FLOOR) for m in linears)
+    shared = tuple(native.mx_columns(m.weight, m.weight_scale, E4M3).quantising(rule) for m in linears)
     x = torch.randn(T, D, generator=g).to(torch.bfloat16)
     routing = Routing(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]),
                       torch.rand(T, k, generator=g))
@@ -259,12 +260,9 @@ def test_native_backend_keeps_only_the_stored_mx_bytes(make_checkpoint, preset, 
     assert_pools_free(llm.engine)
 
 
-@pytest.mark.parametrize("scheme", ["w8a8-mxfp8", "w4a8-mxfp4", "mxfp"])
-def test_native_mx_model_agrees_with_the_torch_backend_on_the_trained_model(scheme):
-    """The shipped trained model in bf16 with each scheme: the native backend's MX kernels and the torch backend's
-    MX layers (dequantised weights, oneDNN products) give the same teacher-forced distributions over 256
-    validation tokens, to the agreement of the two backends without quantisation (random tiny models are no
-    oracle here: one bf16 step of a sum can move an MXFP8 code of an activation, and they amplify it)."""
+def _backends_agreement(scheme: str | None) -> tuple[float, float]:
+    """(top-1 agreement, mean KL) of the native and torch backends' teacher-forced distributions over 256
+    validation tokens of the shipped trained model in bf16 under `scheme`."""
     from deltaserve.default_model import default_model_path
     from deltaserve.tokenizer import load_tokenizer
     from deltaserve.tools.corpus import VALIDATION_PATH
@@ -279,9 +277,25 @@ def test_native_mx_model_agrees_with_the_torch_backend_on_the_trained_model(sche
             logprobs[backend] = llm.engine.model.reference_logits(ids).float().log_softmax(-1)
     a, b = logprobs["native"], logprobs["torch"]
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    kl = F.kl_div(a, b, log_target=True, reduction="none").sum(-1).mean().item()
-    print(f"{scheme}: native vs torch top-1 agreement {agree:.2%}, KL {kl:.5f}")
-    assert agree >= 0.98 and kl < 0.005
+    return agree, F.kl_div(a, b, log_target=True, reduction="none").sum(-1).mean().item()
+
+
+@pytest.fixture(scope="module")
+def unquantised_agreement() -> float:
+    return _backends_agreement(None)[0]
+
+
+@pytest.mark.parametrize("scheme", ["w8a8-mxfp8", "w4a8-mxfp4", "mxfp"])
+def test_native_mx_model_agrees_with_the_torch_backend_on_the_trained_model(scheme, unquantised_agreement):
+    """The shipped trained model in bf16 with each scheme: the native backend's MX kernels and the torch backend's
+    MX layers (dequantised weights, oneDNN products) give the same teacher-forced distributions over 256
+    validation tokens, to the agreement of the two backends without quantisation: at most 2% of the positions
+    more differ in their argmax (random tiny models are no oracle here: one bf16 step of a sum can move an MXFP8
+    code of an activation, and they amplify it; the near-ties it flips on this model are what the KL bound shows)."""
+    agree, kl = _backends_agreement(scheme)
+    print(f"{scheme}: native vs torch top-1 agreement {agree:.2%} (unquantised {unquantised_agreement:.2%}), "
+          f"KL {kl:.5f}")
+    assert agree >= unquantised_agreement - 0.02 and kl < 0.005
 
 
 def test_mx_layers_of_an_fp32_model_keep_their_torch_forms(make_checkpoint):

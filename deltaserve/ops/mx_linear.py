@@ -42,13 +42,13 @@ def mx_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 def linear_w8a8_mxfp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      act_mode: ScaleMode = ScaleMode.FLOOR, dense: torch.Tensor | None = None) -> torch.Tensor:
+                      act_mode: ScaleMode = ScaleMode.RCEIL, dense: torch.Tensor | None = None) -> torch.Tensor:
     """weight float8_e4m3fn [N, K], weight_scale uint8 [N, K/32]."""
     return mx_linear(x, weight, weight_scale, E4M3, E4M3, act_mode, dense)
 
 
 def linear_w8a8_mxfp8_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                          act_mode: ScaleMode = ScaleMode.FLOOR, dense: torch.Tensor | None = None) -> torch.Tensor:
+                          act_mode: ScaleMode = ScaleMode.RCEIL, dense: torch.Tensor | None = None) -> torch.Tensor:
     return mx_linear_ref(x, weight, weight_scale, E4M3, E4M3, act_mode, dense)
 
 

@@ -438,9 +438,16 @@ static inline int block_exponent(float amax, int act) {
         uint32_t u;
         memcpy(&u, &amax, 4);
         e = (int)(((u + (1u << 19)) >> 23) & 0xff) - 127 - 8;
-    } else { /* ACT_RCEIL */
-        float mant = frexpf(amax / 448.f, &ex);
-        e = ex - (mant == 0.5f);
+    } else { /* ACT_RCEIL: ceil(log2) of the fp32 quotient, from its exponent field when it is a normal */
+        float q = amax / 448.f;
+        uint32_t qbits;
+        memcpy(&qbits, &q, 4);
+        if (qbits >> 23) {
+            e = (int)(qbits >> 23) - 127 + ((qbits & 0x7fffffu) != 0);
+        } else {
+            float mant = frexpf(q, &ex);
+            e = ex - (mant == 0.5f);
+        }
     }
     return e < -127 ? -127 : e > 127 ? 127 : e;
 }
