@@ -93,13 +93,18 @@ static inline __attribute__((always_inline)) void ask_ahead(const bf16 *wg, int 
     for (int l = 0; l < 16; l++) _mm_prefetch(line + GROUP_BYTES + 64 * l, _MM_HINT_T0);
 }
 
-/* acc [rows][64] = x rows [rows] (stride ldx) times the block's pairs [0, 16 * groups), rows <= 16; `stream`: the
- * block's first pass (ask_ahead). */
-static inline void tile_rows(const bf16 *x, int64_t ldx, int64_t groups, const bf16 *wb, int stream, float *acc) {
+/* Tiles 0-3, the sums, to zero. */
+static inline void zero_sums(void) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+}
+
+/* acc [rows][64] = x rows [rows] (stride ldx) times the block's pairs [0, 16 * groups), rows <= 16; `stream`: the
+ * block's first pass (ask_ahead). */
+static inline void tile_rows(const bf16 *x, int64_t ldx, int64_t groups, const bf16 *wb, int stream, float *acc) {
+    zero_sums();
     for (int64_t g = 0; g < groups; g++) {
         const bf16 *wg = wb + g * TILE_PAIRS * 2 * 64;
         ask_ahead(wg, 0, stream);
@@ -145,12 +150,6 @@ void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, in
  * streams once. Two buffers alternate, and group g + 1 is decoded before group g's products: the tile
  * loads cannot take data from stores still in flight, so they would wait for the decoder's last stores, and the
  * decoder would wait for the products; staggered, each overlaps the other. buf holds 2 groups (1 when K = 32). */
-/* The input rows' next 32 of K (the next group's A tile) into L1: the rows lie a row stride apart, which the
- * hardware prefetchers do not follow, and a tile load waits for each line it misses. */
-static inline __attribute__((always_inline)) void ask_rows(const bf16 *x, int64_t ldx, int64_t m, int64_t g) {
-    for (int64_t i = 0; i < m; i++) _mm_prefetch((const char *)(x + i * ldx + (g + 1) * 2 * TILE_PAIRS), _MM_HINT_T0);
-}
-
 static inline __attribute__((always_inline)) void mx_group_product(const bf16 *x, int64_t ldx, int64_t g,
                                                                    const bf16 *wg) {
     memory_barrier();
@@ -192,16 +191,10 @@ static void mx_block_two(const bf16 *x, int64_t ldx, int64_t m, const mx_matrix 
     memory_barrier();
     configure_two((int)m - 16);
     for (int half = 0; half < 2; half++) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_sums();
         mx_decode_half(w, b, 0, K, half, buf);
         for (int64_t g = 0; g < groups; g++) {
-            if (g + 1 < groups) {
-                ask_rows(x, ldx, m, g);
-                mx_decode_half(w, b, g + 1, K, half, buf + (g + 1) % 2 * size);
-            }
+            if (g + 1 < groups) mx_decode_half(w, b, g + 1, K, half, buf + (g + 1) % 2 * size);
             const bf16 *wg = buf + g % 2 * size;
             memory_barrier();
             _tile_loadd(4, x + g * 2 * TILE_PAIRS, stride);
@@ -232,16 +225,10 @@ void tile_mx_block(const bf16 *x, int64_t ldx, int64_t m, const mx_matrix *w, in
     const int64_t groups = K / (2 * TILE_PAIRS), size = TILE_PAIRS * 2 * 64; /* bf16 of one decoded group */
     memory_barrier();
     configure((int)m);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_sums();
     mx_decode_pairs(w, b, 0, TILE_PAIRS, K, buf);
     for (int64_t g = 0; g < groups; g++) {
-        if (g + 1 < groups) {
-            ask_rows(x, ldx, m, g);
-            mx_decode_pairs(w, b, (g + 1) * TILE_PAIRS, (g + 2) * TILE_PAIRS, K, buf + (g + 1) % 2 * size);
-        }
+        if (g + 1 < groups) mx_decode_pairs(w, b, (g + 1) * TILE_PAIRS, (g + 2) * TILE_PAIRS, K, buf + (g + 1) % 2 * size);
         mx_group_product(x, ldx, g, buf + g % 2 * size);
     }
     _tile_stored(0, acc, 64 * sizeof(float));
