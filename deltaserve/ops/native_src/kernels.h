@@ -76,7 +76,8 @@ void mx_block_few(const bf16 *const *x, int m, const mx_matrix *w, int64_t b, in
  * experts.c adds the pairs past them. */
 void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, int64_t b, int64_t K, float *acc);
 /* tiles.c: acc [m][64] = m <= TILE_MAX_ROWS rows x (stride ldx) times MX block b of w, decoded a group of 32 of K at
- * a time into buf (at least 4 KiB) and multiplied there on the tile unit. */
+ * a time into buf (experts.c's decode scratch for K: two 4 KiB groups, one when K = 32) and multiplied there on the
+ * tile unit. */
 #define TILE_MAX_ROWS 32
 void tile_mx_block(const bf16 *x, int64_t ldx, int64_t m, const mx_matrix *w, int64_t b, int64_t K, float *acc,
                    bf16 *buf);

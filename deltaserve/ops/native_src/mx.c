@@ -259,15 +259,14 @@ void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int6
 #if defined(__AVX512BW__)
         decode_run(w, b, g0, g1, K, 0, COL_BLOCK / 16, out, 2 * COL_BLOCK);
 #else
-        const int64_t pairs = (K + 1) / 2;
         int16_t off[COL_BLOCK][2];
         scale_offsets(block_scales_of(w, b, K) + g0 / 16 * COL_BLOCK, off);
         if (w->format == MAT_E4M3) {
-            const uint8_t *src = (const uint8_t *)w->data + (b * pairs + g0) * 2 * COL_BLOCK;
+            const uint8_t *src = block_codes_of(w, b, K) + g0 * 2 * COL_BLOCK;
             for (int64_t p = g0; p < g1; p++, src += 2 * COL_BLOCK, out += 2 * COL_BLOCK)
                 for (int c = 0; c < 2 * COL_BLOCK; c++) out[c] = e4m3_bf16(src[c], off[c / 2][c % 2]);
         } else {
-            const uint8_t *src = (const uint8_t *)w->data + (b * pairs + g0) * COL_BLOCK;
+            const uint8_t *src = block_codes_of(w, b, K) + g0 * COL_BLOCK;
             for (int64_t p = g0; p < g1; p++, src += COL_BLOCK, out += 2 * COL_BLOCK)
                 for (int c = 0; c < COL_BLOCK; c++) {
                     out[2 * c] = e2m1_bf16(src[c] & 15, off[c][0]);

@@ -40,7 +40,7 @@ int ds_tiles_usable(void) {
     return state > 0;
 }
 
-/* Palette 1: tiles 0-3 the sums of `rows` rows x 64 columns, 4 the inputs, 5 and 6 the weights. */
+/* LDTILECFG's 64-byte record: the palette, then per tile its bytes a row and its rows. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -56,24 +56,34 @@ static inline void store_config(tile_config *cfg) { __asm__ volatile("sttilecfg 
  * accesses of the same memory (the sums the tail reads, the rows other code wrote). */
 static inline void memory_barrier(void) { __asm__ volatile("" ::: "memory"); }
 
-static void configure(int rows) {
+/* Load the palette-1 configuration with rows[t] rows of 64 bytes in tile t (0 rows: unused), unless it is the
+ * current one: reading the configuration back is much cheaper than loading one (which also zeroes the tiles), and a
+ * 128-token prefill makes ~1,500 block products a MoE layer, a linear's blocks, an expert's gate and up and its down
+ * blocks each running at the configuration the one before left. */
+static void set_tiles(const uint8_t rows[8]) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        cfg.rows[t] = (uint8_t)rows;
-        cfg.colsb[t] = 64;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = rows[t];
+        cfg.colsb[t] = rows[t] ? 64 : 0;
     }
-    for (int t = 5; t < 7; t++) {
-        cfg.rows[t] = TILE_PAIRS;
-        cfg.colsb[t] = 64;
-    }
-    /* reading the configuration back is much cheaper than loading one (which also zeroes the tiles): a
-     * 128-token prefill makes ~1,500 block products a MoE layer, and a linear's blocks, an expert's gate and up
-     * and its down blocks each run at the configuration the one before left */
     tile_config now;
     store_config(&now);
     if (memcmp(&now, &cfg, sizeof cfg) != 0) load_config(&cfg);
+}
+
+/* One row tile: sums 0-3 (`rows` rows x 64 columns), inputs 4, weights 5 and 6 (16 pairs x 16 columns). */
+static void configure(int rows) {
+    const uint8_t r = (uint8_t)rows, t[8] = {r, r, r, r, r, TILE_PAIRS, TILE_PAIRS, 0};
+    set_tiles(t);
+}
+
+/* Two row tiles over 32 columns: sums 0 and 1 (rows 0-15; columns 0-15 and 16-31), 2 and 3 (the next rows1 rows),
+ * inputs 4 (rows 0-15) and 5 (the rest), weights 6 and 7. */
+static void configure_two(int rows1) {
+    const uint8_t r = (uint8_t)rows1, t[8] = {16, 16, r, r, 16, r, TILE_PAIRS, TILE_PAIRS};
+    set_tiles(t);
 }
 
 #ifndef TILE_PREFETCH
@@ -93,7 +103,7 @@ static inline __attribute__((always_inline)) void ask_ahead(const bf16 *wg, int 
     for (int l = 0; l < 16; l++) _mm_prefetch(line + GROUP_BYTES + 64 * l, _MM_HINT_T0);
 }
 
-/* Tiles 0-3, the sums, to zero. */
+/* Tiles 0-3, the sums, to zero; and stored as acc [rows][64] (tile t: columns 16 t .. 16 t + 15). */
 static inline void zero_sums(void) {
     _tile_zero(0);
     _tile_zero(1);
@@ -101,31 +111,42 @@ static inline void zero_sums(void) {
     _tile_zero(3);
 }
 
-/* acc [rows][64] = x rows [rows] (stride ldx) times the block's pairs [0, 16 * groups), rows <= 16; `stream`: the
- * block's first pass (ask_ahead). */
-static inline void tile_rows(const bf16 *x, int64_t ldx, int64_t groups, const bf16 *wb, int stream, float *acc) {
-    zero_sums();
-    for (int64_t g = 0; g < groups; g++) {
-        const bf16 *wg = wb + g * TILE_PAIRS * 2 * 64;
-        ask_ahead(wg, 0, stream);
-        _tile_loadd(4, x + g * 2 * TILE_PAIRS, ldx * (int64_t)sizeof(bf16));
-        _tile_loadd(5, wg, 256);
-        _tile_dpbf16ps(0, 4, 5);
-        ask_ahead(wg, 1, stream);
-        _tile_loadd(6, wg + 32, 256);
-        _tile_dpbf16ps(1, 4, 6);
-        ask_ahead(wg, 2, stream);
-        _tile_loadd(5, wg + 64, 256);
-        _tile_dpbf16ps(2, 4, 5);
-        ask_ahead(wg, 3, stream);
-        _tile_loadd(6, wg + 96, 256);
-        _tile_dpbf16ps(3, 4, 6);
-    }
+static inline void store_sums(float *acc) {
     _tile_stored(0, acc, 64 * sizeof(float));
     _tile_stored(1, acc + 16, 64 * sizeof(float));
     _tile_stored(2, acc + 32, 64 * sizeof(float));
     _tile_stored(3, acc + 48, 64 * sizeof(float));
     memory_barrier();
+}
+
+/* Sums 0-3 += inputs (32 of K from column 32 g of rows at stride ldx) times group wg ([16][64][2] bf16, 256 bytes a
+ * pair). `ask`: wg is a weight stream, so ask_ahead between the products (`stream` on its first pass); 0 for a
+ * group decoded into L1. */
+static inline __attribute__((always_inline)) void group_product(const bf16 *x, int64_t ldx, int64_t g, const bf16 *wg,
+                                                                int ask, int stream) {
+    memory_barrier();
+    if (ask) ask_ahead(wg, 0, stream);
+    _tile_loadd(4, x + g * 2 * TILE_PAIRS, ldx * (int64_t)sizeof(bf16));
+    _tile_loadd(5, wg, 256);
+    _tile_dpbf16ps(0, 4, 5);
+    if (ask) ask_ahead(wg, 1, stream);
+    _tile_loadd(6, wg + 32, 256);
+    _tile_dpbf16ps(1, 4, 6);
+    if (ask) ask_ahead(wg, 2, stream);
+    _tile_loadd(5, wg + 64, 256);
+    _tile_dpbf16ps(2, 4, 5);
+    if (ask) ask_ahead(wg, 3, stream);
+    _tile_loadd(6, wg + 96, 256);
+    _tile_dpbf16ps(3, 4, 6);
+    memory_barrier();
+}
+
+/* acc [rows][64] = x rows [rows] (stride ldx) times the block's pairs [0, 16 * groups), rows <= 16; `stream`: the
+ * block's first pass (ask_ahead). */
+static inline void tile_rows(const bf16 *x, int64_t ldx, int64_t groups, const bf16 *wb, int stream, float *acc) {
+    zero_sums();
+    for (int64_t g = 0; g < groups; g++) group_product(x, ldx, g, wb + g * TILE_PAIRS * 2 * 64, 1, stream);
+    store_sums(acc);
 }
 
 void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, int64_t b, int64_t K, float *acc) {
@@ -142,45 +163,6 @@ void tile_block_product(const bf16 *x, int64_t ldx, int64_t m, const bf16 *w, in
         tile_rows(x + i0 * ldx, ldx, groups, wb, i0 == 0, acc + i0 * 64);
     }
 }
-/* acc [m][64] = m <= TILE_MAX_ROWS rows x (stride ldx) times block b of the MX matrix w (mx.c; K a multiple of 32):
- * each group of 16 pairs (32 of K) is decoded with its scales into a [16][64][2] bf16 buffer (4 KiB, in L1) and
- * multiplied on the tile unit, the sums staying in the tiles over the whole K. Why: from TILE_MIN_ROWS rows the
- * pair products' multiply rate, not the decoding, bounds an MX block (mx_block_few, below that, decodes in
- * registers and wins there); the tile unit takes every row of a group in a few instructions, and the block
- * streams once. Two buffers alternate, and group g + 1 is decoded before group g's products: the tile
- * loads cannot take data from stores still in flight, so they would wait for the decoder's last stores, and the
- * decoder would wait for the products; staggered, each overlaps the other. buf holds 2 groups (1 when K = 32). */
-static inline __attribute__((always_inline)) void mx_group_product(const bf16 *x, int64_t ldx, int64_t g,
-                                                                   const bf16 *wg) {
-    memory_barrier();
-    _tile_loadd(4, x + g * 2 * TILE_PAIRS, ldx * (int64_t)sizeof(bf16));
-    _tile_loadd(5, wg, 256);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, wg + 32, 256);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, wg + 64, 256);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, wg + 96, 256);
-    _tile_dpbf16ps(3, 4, 6);
-    memory_barrier();
-}
-
-/* Palette 1 for two row tiles over 32 columns: sums 0 and 1 (rows 0-15; columns 0-15 and 16-31), 2 and 3 (rows 16
- * to 16 + rows1), inputs 4 (rows 0-15) and 5 (the rest), weights 6 and 7 (16 pairs x 16 columns). */
-static void configure_two(int rows1) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    const uint8_t rows[8] = {16, 16, (uint8_t)rows1, (uint8_t)rows1, 16, (uint8_t)rows1, TILE_PAIRS, TILE_PAIRS};
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = rows[t];
-        cfg.colsb[t] = 64;
-    }
-    tile_config now;
-    store_config(&now);
-    if (memcmp(&now, &cfg, sizeof cfg) != 0) load_config(&cfg);
-}
-
 /* tile_mx_block for 17 to 32 rows: eight tiles hold the sums of two row tiles over 32 columns, so each half of the
  * block's columns is one pass over K (a group's half decoded into buf, [16][32][2]) and every decoded weight serves
  * all rows once, as at 16 rows and fewer. */
@@ -216,6 +198,14 @@ static void mx_block_two(const bf16 *x, int64_t ldx, int64_t m, const mx_matrix 
     }
 }
 
+/* acc [m][64] = m <= TILE_MAX_ROWS rows x (stride ldx) times block b of the MX matrix w (mx.c; K a multiple of 32):
+ * each group of 16 pairs (32 of K) is decoded with its scales into a [16][64][2] bf16 buffer (4 KiB, in L1) and
+ * multiplied on the tile unit, the sums staying in the tiles over the whole K. Why: from TILE_MIN_ROWS rows the
+ * pair products' multiply rate, not the decoding, bounds an MX block (mx_block_few, below that, decodes in
+ * registers and wins there); the tile unit takes every row of a group in a few instructions, and the block
+ * streams once. Two buffers alternate, and group g + 1 is decoded before group g's products: the tile
+ * loads cannot take data from stores still in flight, so they would wait for the decoder's last stores, and the
+ * decoder would wait for the products; staggered, each overlaps the other. buf holds 2 groups (1 when K = 32). */
 void tile_mx_block(const bf16 *x, int64_t ldx, int64_t m, const mx_matrix *w, int64_t b, int64_t K, float *acc,
                    bf16 *buf) {
     if (m > 16) {
@@ -229,13 +219,9 @@ void tile_mx_block(const bf16 *x, int64_t ldx, int64_t m, const mx_matrix *w, in
     mx_decode_pairs(w, b, 0, TILE_PAIRS, K, buf);
     for (int64_t g = 0; g < groups; g++) {
         if (g + 1 < groups) mx_decode_pairs(w, b, (g + 1) * TILE_PAIRS, (g + 2) * TILE_PAIRS, K, buf + (g + 1) % 2 * size);
-        mx_group_product(x, ldx, g, buf + g % 2 * size);
+        group_product(x, ldx, g, buf + g % 2 * size, 0, 0);
     }
-    _tile_stored(0, acc, 64 * sizeof(float));
-    _tile_stored(1, acc + 16, 64 * sizeof(float));
-    _tile_stored(2, acc + 32, 64 * sizeof(float));
-    _tile_stored(3, acc + 48, 64 * sizeof(float));
-    memory_barrier();
+    store_sums(acc);
 }
 #else
 int ds_tiles_usable(void) { return 0; }
