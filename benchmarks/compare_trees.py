@@ -1,6 +1,7 @@
 """Before/after speed of two checkouts of deltaserve on one checkpoint, taken pair by pair.
 
     python benchmarks/compare_trees.py BEFORE_TREE AFTER_TREE MODEL [--rounds 6] [--workloads decode1 prefill2048]
+        [--quantization mxfp]
 
 Each measurement is a fresh process that imports deltaserve from one tree (PYTHONPATH) and runs one workload with
 `LLM` and `engine.step()`: `decodeB` (the median of 24 decode steps after B prompts of 128 tokens, in tok/s),
@@ -8,7 +9,8 @@ Each measurement is a fresh process that imports deltaserve from one tree (PYTHO
 in one step, s). The two trees alternate workload by workload, in ABBA order across rounds, so that the machine's
 drift falls on both; every pair gives a ratio (after / before in speed: > 1 means the after tree is faster), and the
 table shows each side's median [min, max] and the median [min, max] of the ratios. Both trees run the same
-interpreter and the same settings (bf16, 2 threads, 4,096 tokens per step, prefix caching off, one warm-up request).
+interpreter and the same settings (bf16, 2 threads, 4,096 tokens per step, prefix caching off, one warm-up request),
+and with `--quantization` the same weight scheme.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import json, statistics, sys, time
 import torch
 torch.set_num_threads(2)
 from deltaserve import LLM, SamplingParams
-model, workload = sys.argv[1], sys.argv[2]
+model, workload, quantization = sys.argv[1], sys.argv[2], sys.argv[3] or None
 llm = LLM(model=model, dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=4096, kv_cache_memory="2GiB",
-          enable_prefix_caching=False, seed=0)
+          enable_prefix_caching=False, seed=0, quantization=quantization)
 engine = llm.engine
 g = torch.Generator().manual_seed(0)
 prompts = lambda n, length: [torch.randint(100, 30000, (length,), generator=g).tolist() for _ in range(n)]
@@ -67,9 +69,9 @@ print(json.dumps({"workload": workload, "value": value}))
 '''
 
 
-def measure(tree: str, model: str, workload: str) -> float:
+def measure(tree: str, model: str, workload: str, quantization: str | None) -> float:
     env = dict(os.environ, PYTHONPATH=tree, OMP_WAIT_POLICY="PASSIVE")
-    out = subprocess.run([sys.executable, "-c", ONE, model, workload], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", ONE, model, workload, quantization or ""], env=env, capture_output=True, text=True,
                          check=True, timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])["value"]
 
@@ -81,13 +83,14 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--quantization", help="weight scheme of both sides (w8a8-mxfp8, w4a8-mxfp4, mxfp)")
     parser.add_argument("--json", help="write every measurement here")
     args = parser.parse_args()
     runs: dict[str, dict[str, list[float]]] = {w: {"before": [], "after": []} for w in args.workloads}
     for r in range(args.rounds):
         for w in args.workloads:
             for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                runs[w][side].append(measure(getattr(args, side), args.model, w))
+                runs[w][side].append(measure(getattr(args, side), args.model, w, args.quantization))
     print("| workload | before | after | after / before (speed), median of pairs [min, max] |")
     print("|---|---|---|---|")
     for w, sides in runs.items():

@@ -95,23 +95,29 @@ def test_weights_the_decoder_cannot_build_exactly_are_refused():
 def test_input_quantiser_is_fake_quantize_bit_for_bit(mode):
     """The kernels' MXFP8-E4M3 quantisation of bf16 rows equals `fake_quantize_mx` under every scale rule: random
     rows over a wide range of magnitudes, zero blocks, values that saturate, subnormal results, NaN and ±Inf
-    blocks."""
+    blocks; 37 blocks a row, so the AVX-512 quantiser's groups of 16 blocks end in a part group. Bits compared, so
+    a negative input that rounds to zero keeps its sign as torch's E4M3 cast keeps it."""
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(16, 256, generator=g) * torch.exp2(torch.randint(-40, 40, (16, 1), generator=g).float())
+    x = torch.randn(16, 37 * 32, generator=g) * torch.exp2(torch.randint(-40, 40, (16, 37), generator=g).float()
+                                                           ).repeat_interleave(32, dim=1)
+    x[8:, 32:64] *= torch.exp2(torch.randint(-12, 0, (8, 32), generator=g).float())  # elements far below the amax
     x[0, :32] = 0
     x[1, 32:64] = torch.tensor([448.0 * 1.9] + [1e-6] * 31)  # FLOOR saturates the largest element
     x[2, :32] = torch.linspace(-1, 1, 32) * 2.0 ** -12  # small: E4M3 subnormals after scaling
     x[6, :32] = torch.linspace(-1, 1, 32) * 2.0 ** -120  # tiny blocks: fp32 subnormals after scaling back
     x[7, 64:96] = torch.linspace(-1, 1, 32) * 2.0 ** -130  # bf16 subnormal inputs
+    x[9, :32] = torch.linspace(-1, 1, 32) * 2.0 ** 110  # huge blocks: scales past 2^99
+    x[9, 32:64] = torch.linspace(-1, 1, 32) * 3.3e38
     x[3, 5], x[4, 40], x[5, 70] = float("nan"), float("inf"), float("-inf")
     x = x.to(torch.bfloat16)
     got = native.mx_quantize_rows(x, mode)
     ref = fake_quantize_mx(x, E4M3, mode)
     assert torch.equal(got.isnan(), ref.isnan())
-    assert torch.equal(got.nan_to_num(), ref.nan_to_num())
-    strided = torch.zeros(16, 300, dtype=torch.bfloat16)
-    strided[:, :256] = x
-    assert torch.equal(native.mx_quantize_rows(strided[:, :256], mode).nan_to_num(), ref.nan_to_num())
+    assert torch.equal(got.nan_to_num().view(torch.int16), ref.nan_to_num().view(torch.int16))
+    strided = torch.zeros(16, x.shape[1] + 44, dtype=torch.bfloat16)
+    strided[:, :x.shape[1]] = x
+    assert torch.equal(native.mx_quantize_rows(strided[:, :x.shape[1]], mode).nan_to_num().view(torch.int16),
+                       ref.nan_to_num().view(torch.int16))
 
 
 def _assert_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:

@@ -402,15 +402,17 @@ static int mx_shape_ok(const mx_matrix *w, int64_t K) {
            w->format >= MAT_BF16 && w->format <= MAT_E2M1 && w->act >= ACT_NONE && w->act <= ACT_EVEN;
 }
 
+/* Rows [r0, r1) of x (row stride ldx, K wide) quantised to MXFP8 by rule act into out [M, K] (mx_quantize_row). */
+static void quantize_rows(const bf16 *x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int act, bf16 *out) {
+    for (int64_t r = r0; r < r1; r++) {
+        memcpy(out + r * K, x + r * ldx, sizeof(bf16) * (size_t)K);
+        mx_quantize_row(out + r * K, K, act);
+    }
+}
+
 void mx_product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *w, int64_t N, bf16 *y,
                 int64_t ldy, int tiles, int nthreads) {
-    bf16 *xq = NULL;
-    if (w->act != ACT_NONE) {
-        xq = malloc(sizeof(bf16) * (size_t)(M * K));
-        ds_mx_quantize_rows(x, M, K, ldx, (int)w->act, xq, nthreads);
-    }
-    heads_columns(xq ? xq : x, M, xq ? K : ldx, 0, 1, K, w, N, y, ldy, tiles, nthreads);
-    free(xq);
+    mx_products(x, M, ldx, K, w, &N, 1, y, ldy, tiles, nthreads);
 }
 
 void mx_products(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *ws, const int64_t *widths, int n,
@@ -429,20 +431,28 @@ void mx_products(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matr
         return;
     }
     first[n] = items;
-    bf16 *xq = NULL;
-    if (ws[0].act != ACT_NONE) {
-        xq = malloc(sizeof(bf16) * (size_t)(M * K));
-        ds_mx_quantize_rows(x, M, K, ldx, (int)ws[0].act, xq, nthreads);
-    }
-    const bf16 *in = xq ? xq : x;
-    int64_t ld = xq ? K : ldx;
-    const bf16 **rows = malloc(sizeof(bf16 *) * (size_t)M);
-    for (int64_t r = 0; r < M; r++) rows[r] = in + r * ld;
+    const int act = ws[0].act;
+    /* Quantised inputs: up to TILE_MAX_ROWS rows (decode) every thread quantises all of them into its own copy,
+     * since rows another thread has just written cost a 32-row product more to read than quantising them again;
+     * more rows are quantised once, a share per thread, into `shared`. */
+    const int own_copy = act != ACT_NONE && M <= TILE_MAX_ROWS;
+    const size_t bytes = (sizeof(bf16) * (size_t)(M * K) + 63) / 64 * 64;
+    bf16 *shared = act != ACT_NONE && !own_copy ? aligned_alloc(64, bytes) : NULL;
     tiles = tiles && ds_tiles_usable();
 #pragma omp parallel num_threads(nthreads)
     {
         float *acc = malloc(sizeof(float) * (size_t)(M * COL_BLOCK));
         bf16 *wd = scratch ? malloc(sizeof(bf16) * (size_t)scratch) : NULL;
+        bf16 *mine = own_copy ? aligned_alloc(64, bytes) : NULL, *xq = own_copy ? mine : shared;
+        if (own_copy) quantize_rows(x, ldx, 0, M, K, act, mine);
+        if (shared) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++) quantize_rows(x, ldx, r, r + 1, K, act, shared);
+        } /* implicit barrier: every row of `shared` is written */
+        const bf16 *in = xq ? xq : x;
+        const int64_t ld = xq ? K : ldx;
+        const bf16 **rows = malloc(sizeof(bf16 *) * (size_t)M);
+        for (int64_t r = 0; r < M; r++) rows[r] = in + r * ld;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             int i = 0;
@@ -453,9 +463,10 @@ void mx_products(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matr
         }
         free(acc);
         free(wd);
+        free(mine);
+        free(rows);
     }
-    free(rows);
-    free(xq);
+    free(shared);
 }
 
 /* ds_linear_columns over any column-packed matrix w (bf16, or MX: mx.c), its input rows first quantised to MXFP8

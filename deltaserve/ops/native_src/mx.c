@@ -482,46 +482,135 @@ static void quantize_block(bf16 *x, int act) {
     }
 }
 
+#if defined(__AVX512BW__)
+/* The largest magnitude of each of 16 blocks of 32 bf16 as bf16 bits, block j in 32-bit lane j; a[j] is block j
+ * with its sign bits cleared, so that magnitudes order as unsigned integers (NaN and ±Inf above every finite).
+ * A reduction tree over all 16 at once: each level folds two vectors' halves into one, so the 16 blocks take 15
+ * folds where one block at a time takes a 5-step horizontal reduction each. */
+static inline __m512i blocks_amax16(const __m512i a[16]) {
+    __m512i c[8], e[4], g[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: block 2i in c's low half, 2i + 1 in its high half */
+        c[i] = _mm512_max_epu16(_mm512_shuffle_i64x2(a[2 * i], a[2 * i + 1], 0x44),
+                                _mm512_shuffle_i64x2(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++) /* 128-bit quarters: block 4i + q in quarter q */
+        e[i] = _mm512_max_epu16(_mm512_shuffle_i64x2(c[2 * i], c[2 * i + 1], 0x88),
+                                _mm512_shuffle_i64x2(c[2 * i], c[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++) /* 64-bit halves of quarter q: block 8i + q low, 8i + 4 + q high */
+        g[i] = _mm512_max_epu16(_mm512_unpacklo_epi64(e[2 * i], e[2 * i + 1]),
+                                _mm512_unpackhi_epi64(e[2 * i], e[2 * i + 1]));
+    const __m512 g0 = _mm512_castsi512_ps(g[0]), g1 = _mm512_castsi512_ps(g[1]);
+    /* 32-bit lane 4q + t: block 4t + q, two candidates each */
+    __m512i h = _mm512_max_epu16(_mm512_castps_si512(_mm512_shuffle_ps(g0, g1, _MM_SHUFFLE(2, 0, 2, 0))),
+                                 _mm512_castps_si512(_mm512_shuffle_ps(g0, g1, _MM_SHUFFLE(3, 1, 3, 1))));
+    h = _mm512_max_epu32(_mm512_and_si512(h, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(h, 16));
+    return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), h);
+}
+
+/* block_exponent of 16 blocks from their amax bits m (blocks_amax16; finite), by the same integer reading of the
+ * exponent field; the lanes whose amax (or RCEIL quotient) is an fp32 subnormal, rare, in scalar code. */
+static inline __m512i block_exponents16(__m512i m, int act) {
+    const __m512i u = _mm512_slli_epi32(m, 16), one = _mm512_set1_epi32(1), frac = _mm512_set1_epi32(0x7fffff);
+    __m512i bits = u, e;
+    if (act == ACT_RCEIL) bits = _mm512_castps_si512(_mm512_div_ps(_mm512_castsi512_ps(u), _mm512_set1_ps(448.f)));
+    const __m512i biased = _mm512_srli_epi32(bits, 23);
+    if (act == ACT_EVEN) {
+        e = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(1 << 19)), 23),
+                                              _mm512_set1_epi32(0xff)),
+                             _mm512_set1_epi32(127 + 8));
+    } else {
+        e = _mm512_sub_epi32(biased, _mm512_set1_epi32(act == ACT_RCEIL ? 127 : 127 + 8));
+        if (act != ACT_FLOOR) e = _mm512_mask_add_epi32(e, _mm512_test_epi32_mask(bits, frac), e, one);
+    }
+    e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+    e = _mm512_mask_mov_epi32(e, _mm512_cmpeq_epi32_mask(m, _mm512_setzero_si512()), _mm512_set1_epi32(-127));
+    __mmask16 tiny = act == ACT_EVEN ? 0
+                                     : _mm512_cmpeq_epi32_mask(biased, _mm512_setzero_si512()) &
+                                           _mm512_cmpneq_epi32_mask(m, _mm512_setzero_si512());
+    if (tiny) {
+        int32_t lanes[16];
+        float amax[16];
+        _mm512_storeu_si512(lanes, e);
+        _mm512_storeu_ps(amax, _mm512_castsi512_ps(u));
+        for (int j = 0; j < 16; j++)
+            if (tiny >> j & 1) lanes[j] = block_exponent(amax[j], act);
+        e = _mm512_loadu_si512(lanes);
+    }
+    return e;
+}
+
+/* 2^k for 16 k in [-127, 127], exact (2^-127: the subnormal's bits, as pow2f) */
+static inline __m512 pow2_16(__m512i k) {
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(k, _mm512_set1_epi32(-127)),
+                                                     _mm512_set1_epi32(0x400000)));
+}
+
+/* mx_quantize_row of nb <= 16 blocks at x: amax and exponents of all of them at once, then each block's 32 elements
+ * as fp32 in two vectors (words interleaved per 128-bit lane by the unpacking, put back in order by the final
+ * permute). An element's E4M3 rounding is one fp32 addition, on the input itself: scaled by 2^-e it would lie on
+ * E4M3's grid, whose step at floor(log2 |v|) = E is 2^(E - e - 3) (2^-9 below E - e = -6, the subnormals), so in
+ * v's terms the step is 2^(E' - 3) with E' = max(E, e - 6); v + 1.5 * 2^(E' + 20) lies in the binade with that
+ * step, the sum rounds v to nearest-even on the grid and subtracting the constant back is exact. Scaling by a power
+ * of two and back is exact, so this is round_e4m3(v * 2^-e) * 2^e (an element so far below the grid that the
+ * scaled value would be an fp32 subnormal rounds to zero either way). v's sign goes back on the result, whose zeros
+ * the subtraction makes positive. The result is a bf16: where the grid is coarser than bf16's subnormal step 2^-133
+ * it has at most 4 significant bits over a multiple of that step, where finer the bf16 input already lies on it;
+ * so its fp32 bits' high half is the bf16. A block with e > 99, whose constant would overflow, is rounded as
+ * v * 2^-64 with e - 64 and multiplied back. */
+static void quantize_blocks16(bf16 *x, int nb, int act) {
+    __m512i raw[16], a[16];
+    const __m512i magnitude = _mm512_set1_epi16(0x7fff), zero = _mm512_setzero_si512();
+    for (int j = 0; j < 16; j++) {
+        raw[j] = j < nb ? _mm512_loadu_si512(x + 32 * j) : zero;
+        a[j] = _mm512_and_si512(raw[j], magnitude);
+    }
+    const __m512i m = blocks_amax16(a);
+    const __mmask16 bad = _mm512_cmpge_epu32_mask(m, _mm512_set1_epi32(0x7f80));
+    const __m512i e_all = block_exponents16(m, act);
+    const __mmask16 huge = _mm512_cmpgt_epi32_mask(e_all, _mm512_set1_epi32(99));
+    const __m512i e = _mm512_mask_sub_epi32(e_all, huge, e_all, _mm512_set1_epi32(64));
+    float floor_exp[16], lim[16];
+    _mm512_storeu_ps(floor_exp, _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(6))));
+    _mm512_storeu_ps(lim, _mm512_mul_ps(pow2_16(e), _mm512_set1_ps(448.f)));
+    const __m512 magic = _mm512_set1_ps(0x1.8p20f), down = _mm512_set1_ps(0x1p-64f), up = _mm512_set1_ps(0x1p64f);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    /* word 8k + i of the block: the high word of dword 4k + i of the low unpacking (i < 4), else of the high one */
+    const __m512i order = _mm512_set_epi16(63, 61, 59, 57, 31, 29, 27, 25, 55, 53, 51, 49, 23, 21, 19, 17, 47, 45, 43,
+                                           41, 15, 13, 11, 9, 39, 37, 35, 33, 7, 5, 3, 1);
+    for (int j = 0; j < nb; j++) {
+        if (bad >> j & 1) {
+            _mm512_storeu_si512(x + 32 * j, _mm512_set1_epi16(0x7fc0));
+            continue;
+        }
+        const __m512 low = _mm512_set1_ps(floor_exp[j]), hi = _mm512_set1_ps(lim[j]);
+        __m512i y[2] = {_mm512_unpacklo_epi16(zero, raw[j]), _mm512_unpackhi_epi16(zero, raw[j])};
+        for (int h = 0; h < 2; h++) {
+            __m512 v = _mm512_castsi512_ps(y[h]);
+            if (huge >> j & 1) v = _mm512_mul_ps(v, down);
+            /* FLOOR's and EVEN's scales let |v| pass 448 * 2^e; CEIL's keep it below 256 * 2^e, and RCEIL's at
+             * most 448 * 2^e: a bf16 amax is either 448 * 2^k or 2^-8 of itself away, so amax / 448 cannot round
+             * onto the power of two below it */
+            if (act == ACT_FLOOR || act == ACT_EVEN)
+                v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), hi)), hi);
+            __m512 c = _mm512_scalef_ps(magic, _mm512_max_ps(_mm512_getexp_ps(v), low));
+            __m512 q = _mm512_castsi512_ps(_mm512_ternarylogic_epi32( /* q | (v & sign) */
+                _mm512_castps_si512(_mm512_sub_ps(_mm512_add_ps(v, c), c)), _mm512_castps_si512(v), sign, 0xf8));
+            y[h] = _mm512_castps_si512(huge >> j & 1 ? _mm512_mul_ps(q, up) : q);
+        }
+        _mm512_storeu_si512(x + 32 * j, _mm512_permutex2var_epi16(y[0], order, y[1]));
+    }
+}
+#endif
+
 /* fake_quantize_mx(x, E4M3, rule act) of n bf16 values (n a multiple of 32), in place, equal bit for bit: per 32,
  * the scale from the block's amax, each element scaled by 2^-e in fp32, saturated to ±448, rounded to E4M3 and
  * multiplied back by 2^e in fp32 then rounded to bf16, as torch does it; a block holding NaN or ±Inf becomes NaN.
- * With AVX-512 a block's elements take 16 lanes at a time (the same operations: round_e4m3's integer rounding of
- * normals and the nearest-even multiple of 2^-9 below 2^-6), only its exponent in scalar code: the quantiser runs
- * on every input row of every W8A8 product. */
+ * With AVX-512 BW 16 blocks at a time (quantize_blocks16): the quantiser runs on every input row of every W8A8
+ * product, and from a few rows on it cost a 32-row product more than the weights' decoding did. */
 void mx_quantize_row(bf16 *x, int64_t n, int act) {
     int64_t b = 0;
-#if defined(__AVX512F__)
-    const __m512 lim = _mm512_set1_ps(448.f), sub_max = _mm512_set1_ps(0x1p-6f);
-    const __m512 to_sub = _mm512_set1_ps(512.f), from_sub = _mm512_set1_ps(0x1p-9f);
-    const __m512i expo = _mm512_set1_epi32(0x7f800000), one = _mm512_set1_epi32(1);
-    const __m512i half = _mm512_set1_epi32(0x7ffff), low = _mm512_set1_epi32(0xfffff);
-    for (; b + 32 <= n; b += 32) {
-        __m512 v[2];
-        __mmask16 bad = 0;
-        for (int h = 0; h < 2; h++) {
-            v[h] = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + b + 16 * h))), 16));
-            bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v[h]), expo), expo);
-        }
-        if (bad) {
-            for (int i = 0; i < 32; i++) x[b + i] = 0x7fc0;
-            continue;
-        }
-        int e = block_exponent(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))), act);
-        const __m512 inv = _mm512_set1_ps(pow2f(-e)), scale = _mm512_set1_ps(pow2f(e));
-        for (int h = 0; h < 2; h++) {
-            __m512 s = _mm512_mul_ps(v[h], inv);
-            s = _mm512_min_ps(_mm512_max_ps(s, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-            __m512i u = _mm512_castps_si512(s);
-            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 20), one);
-            __m512 normal =
-                _mm512_castsi512_ps(_mm512_andnot_si512(low, _mm512_add_epi32(u, _mm512_add_epi32(half, odd))));
-            __m512 sub = _mm512_roundscale_ps(_mm512_mul_ps(s, to_sub), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            sub = _mm512_mul_ps(sub, from_sub);
-            __m512 q = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(s), sub_max, _CMP_LT_OQ), normal, sub);
-            store_bf16_16(x + b + 16 * h, (__mmask16)0xffff, _mm512_mul_ps(q, scale));
-        }
-    }
+#if defined(__AVX512BW__)
+    for (; b < n; b += 16 * 32) quantize_blocks16(x + b, n - b >= 16 * 32 ? 16 : (int)((n - b) / 32), act);
 #endif
     for (; b < n; b += 32) quantize_block(x + b, act);
 }
