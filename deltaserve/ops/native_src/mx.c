@@ -121,6 +121,38 @@ static inline __attribute__((always_inline)) __m512i e2m1_index(const uint8_t *s
     return _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
 }
 
+#if defined(__AVX512VBMI__)
+/* The permute indices of e2m1_index for columns 4d + j (d = 0..15, the lanes) from one pair's 64 bytes d (column c's
+ * in byte c), in one multishift: dword d holds columns 4d .. 4d + 3, and the permute reads only bits 0-4 of each
+ * word, so the low word takes the 8 bits from 8j (the low nibble at the bottom) and the high word the 8 bits from
+ * 8j + 4 (the high nibble). Why: e2m1_index's widening shuffle and the permute share one port, which bounds the
+ * few-row E2M1 product; this takes one instruction where that takes three, and the sums' order is undone once a
+ * block (columns_in_order). */
+static inline __attribute__((always_inline)) __m512i e2m1_lane_index(__m512i d, int j) {
+    const long long c = 8 * j;
+    const long long ctrl = c | (c + 1) << 8 | (c + 4) << 16 | (c + 5) << 24 | (c + 32) << 32 | (c + 33) << 40 |
+                           (c + 36) << 48 | (c + 37) << 56;
+    return _mm512_multishift_epi64_epi8(_mm512_set1_epi64(ctrl), d);
+}
+
+/* acc [64] summed with lane d of quarter j holding column 4d + j (few_rows_n's E2M1 order), put in column order. */
+static inline void columns_in_order(float *acc) {
+    const __m512 p0 = _mm512_loadu_ps(acc), p1 = _mm512_loadu_ps(acc + 16), p2 = _mm512_loadu_ps(acc + 32),
+                 p3 = _mm512_loadu_ps(acc + 48);
+    const __m512d t0 = _mm512_castps_pd(_mm512_unpacklo_ps(p0, p1)), t1 = _mm512_castps_pd(_mm512_unpackhi_ps(p0, p1)),
+                  t2 = _mm512_castps_pd(_mm512_unpacklo_ps(p2, p3)), t3 = _mm512_castps_pd(_mm512_unpackhi_ps(p2, p3));
+    /* u[k], 128-bit lane L: columns 16 L + 4 k .. 16 L + 4 k + 3 */
+    const __m512 u0 = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2)), u1 = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2)),
+                 u2 = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3)), u3 = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+    const __m512 v0 = _mm512_shuffle_f32x4(u0, u1, 0x44), v1 = _mm512_shuffle_f32x4(u0, u1, 0xee),
+                 v2 = _mm512_shuffle_f32x4(u2, u3, 0x44), v3 = _mm512_shuffle_f32x4(u2, u3, 0xee);
+    _mm512_storeu_ps(acc, _mm512_shuffle_f32x4(v0, v2, 0x88));
+    _mm512_storeu_ps(acc + 16, _mm512_shuffle_f32x4(v0, v2, 0xdd));
+    _mm512_storeu_ps(acc + 32, _mm512_shuffle_f32x4(v1, v3, 0x88));
+    _mm512_storeu_ps(acc + 48, _mm512_shuffle_f32x4(v1, v3, 0xdd));
+}
+#endif
+
 /* The exponent-field offsets (s - 127) << 7 of 16 columns' scales, each twice (both elements of a pair). */
 static inline __m512i pair_offsets(const uint8_t *scales) {
     __m512i o = _mm512_slli_epi32(
@@ -299,7 +331,13 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
             __m512i v[4];
             if (fp4) { /* 64 bytes: column c's pair in byte c (element 2p low nibble) */
                 ask_stream(src + (p + 8) * COL_BLOCK);
-                for (int j = 0; j < 4; j++) v[j] = _mm512_permutexvar_epi16(e2m1_index(src + p * COL_BLOCK + 16 * j), table);
+#if defined(__AVX512VBMI__) /* lane d of v[j]: column 4d + j, put in order at the end */
+                const __m512i d = _mm512_loadu_si512(src + p * COL_BLOCK);
+                for (int j = 0; j < 4; j++) v[j] = _mm512_permutexvar_epi16(e2m1_lane_index(d, j), table);
+#else
+                for (int j = 0; j < 4; j++)
+                    v[j] = _mm512_permutexvar_epi16(e2m1_index(src + p * COL_BLOCK + 16 * j), table);
+#endif
             } else { /* 128 codes: column c's pair in bytes 2c, 2c + 1 */
                 const uint8_t *at = src + p * 2 * COL_BLOCK;
                 ask_stream(at + 16 * 2 * COL_BLOCK);
@@ -312,14 +350,23 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
             }
         }
         for (int j = 0; j < 4; j++) { /* 2^(s - 127) as fp32 bits s << 23 (s = 0 only where every code is 0) */
-            __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scales + g * COL_BLOCK + 16 * j))), 23));
+            __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scales + g * COL_BLOCK + 16 * j)));
+#if defined(__AVX512VBMI__) /* the E2M1 sums' order: lane d, column 4d + j */
+            if (fp4)
+                s = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(scales + g * COL_BLOCK), 8 * j),
+                                     _mm512_set1_epi32(0xff));
+#endif
+            __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(s, 23));
             for (int i = 0; i < NT; i++) {
                 float *a = acc + i * COL_BLOCK + 16 * j;
                 _mm512_storeu_ps(a, _mm512_fmadd_ps(part[i][j], scale, _mm512_loadu_ps(a)));
             }
         }
     }
+#if defined(__AVX512VBMI__)
+    if (fp4)
+        for (int i = 0; i < NT; i++) columns_in_order(acc + i * COL_BLOCK);
+#endif
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
