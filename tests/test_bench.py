@@ -117,6 +117,7 @@ def test_quant(tmp_path, k31_tiny):
     assert set(by_name) == {"unquantised", "w8a8-mxfp8", "w4a8-mxfp4", "mxfp", "c8-int8", "c8-fp8"}
     base = by_name["unquantised"]
     assert base["allowed_speedup"] == 1 and base["speedup"] == {"1": 1, "2": 1} and base["share_of_allowed_b1"] == 1
+    assert len(base["rounds"]) == 2 * (len(by_name) - 1)
     assert base["teacher_forced"]["top1_agreement"] == 1 and base["teacher_forced"]["perplexity_change"] == 0
     assert base["teacher_forced"]["mean_kl"] == pytest.approx(0, abs=1e-6)
     assert base["greedy_agreement"] == 1 and base["greedy_mean_kl"] == pytest.approx(0, abs=1e-6)
@@ -124,11 +125,14 @@ def test_quant(tmp_path, k31_tiny):
         assert sum(r["weight_bytes_by_format"].values()) == r["weight_bytes"]
         assert r["rss_bytes"] > r["weight_bytes"] > r["weight_bytes_per_token"] > 0
         assert all(v > 0 for v in r["decode_tokens_per_s"].values()) and r["prefill_tokens_per_s"] > 0
-        # each speed-up is the median (of two rounds: their mean) of the round-by-round ratios to the baseline
-        assert len(r["rounds"]) == 2
-        assert r["speedup"]["1"] == pytest.approx(statistics.mean(
-            x["decode"]["1"] / b["decode"]["1"] for x, b in zip(r["rounds"], base["rounds"])))
-        assert r["decode_tokens_per_s"]["1"] == pytest.approx(statistics.mean(x["decode"]["1"] for x in r["rounds"]))
+        # each speed-up is the median (of two rounds: their mean) of the ratios to the baseline's twin figures, timed
+        # back to back with the variant's; the baseline's figures are all its twins
+        if r is not base:
+            assert len(r["rounds"]) == len(r["baseline_rounds"]) == 2
+            assert r["speedup"]["1"] == pytest.approx(statistics.mean(
+                x["decode"]["1"] / b["decode"]["1"] for x, b in zip(r["rounds"], r["baseline_rounds"])))
+            assert all(b in base["rounds"] for b in r["baseline_rounds"])
+        assert r["decode_tokens_per_s"]["1"] == pytest.approx(statistics.median(x["decode"]["1"] for x in r["rounds"]))
         assert r["share_of_allowed_b1"] == pytest.approx(r["speedup"]["1"] / r["allowed_speedup"])
         assert 0 <= r["greedy_agreement"] <= 1 and r["greedy_mean_kl"] >= -1e-6
         tf = r["teacher_forced"]

@@ -14,12 +14,14 @@ with the model-dtype cache, and the C8 cache (int8, fp8) with unquantised weight
     variant bytes: what a decode bound by reading weights could gain;
   * decode tokens/s at each --batch-sizes (random prompts of --input-len, greedy, decode phase only, one warm-up
     batch), and prefill tokens/s: one random prompt of --prefill-len tokens over its time to first token (after one
-    warm-up prompt of the same length). Speed is taken in --rounds rounds, each building every variant's engine in
-    turn and timing it, so the machine's bandwidth, which moves from minute to minute, moves a round's variants
-    alike; the figures are the medians over rounds;
+    warm-up prompt of the same length). The unquantised engine stays loaded for the whole run, and each other
+    variant takes --rounds rounds in which every workload runs on both engines back to back (which goes first
+    alternates): the machine's bandwidth moves from minute to minute, often by more than a scheme gains, so each
+    variant figure has an unquantised twin taken seconds from it, not minutes. A variant's figures are the medians
+    over its rounds; the unquantised ones the medians over all of its rounds (`baseline_rounds` of each variant);
   * against the unquantised variant: the decode and prefill speed-ups, each the median over rounds of the variant's
-    figure over the unquantised one's of the same round, and at batch 1 the share of the allowed speed-up reached
-    (measured / allowed);
+    figure over its unquantised twin's, and at batch 1 the share of the allowed speed-up reached (measured /
+    allowed);
   * quality against the unquantised engine, teacher-forced: --num-quality-prompts windows of --quality-len tokens
     of the shipped validation text, one cacheless forward per window on the variant's own model and backend (so its
     quantisation applies); at every position with a next token: top-1 agreement (same argmax), mean
@@ -149,15 +151,26 @@ def prefill_tokens_per_s(engine: LLMEngine, length: int) -> float:
     return length / (run["first"]["prefill-0"] - run["start"])
 
 
-def speed(engine: LLMEngine, args: argparse.Namespace) -> dict:
-    """One round's speed figures of a variant: decode tokens/s at each batch and prefill tokens/s."""
-    vocab, decode = engine.config.vocab_size, {}
+def decode_tokens_per_s(engine: LLMEngine, batch: int, args: argparse.Namespace) -> float:
+    """Decode-phase tokens/s of `batch` random prompts, after one warm-up batch of the same size."""
+    vocab = engine.config.vocab_size
+    latency_run(engine, random_prompts(vocab, batch, args.input_len, 99), 2, f"warm{batch}")
+    run, _ = latency_run(engine, random_prompts(vocab, batch, args.input_len, batch), args.output_len, f"speed{batch}")
+    return run["decode_tokens_per_s"]
+
+
+def paired_speed(base: LLMEngine, engine: LLMEngine, args: argparse.Namespace,
+                 base_first: bool) -> tuple[dict, dict]:
+    """One round's speed figures ({"decode": {batch: tok/s}, "prefill": tok/s}) of `engine` and of the unquantised
+    `base`, every workload timed on both back to back, `base` first when `base_first`."""
+    engines, figures = (engine, base), ({"decode": {}}, {"decode": {}})
+    order = (1, 0) if base_first else (0, 1)
     for batch in args.batch_sizes:
-        latency_run(engine, random_prompts(vocab, batch, args.input_len, 99), 2, f"warm{batch}")
-        run, _ = latency_run(engine, random_prompts(vocab, batch, args.input_len, batch), args.output_len,
-                             f"speed{batch}")
-        decode[batch] = run["decode_tokens_per_s"]
-    return {"decode": decode, "prefill": prefill_tokens_per_s(engine, args.prefill_len)}
+        for k in order:
+            figures[k]["decode"][batch] = decode_tokens_per_s(engines[k], batch, args)
+    for k in order:
+        figures[k]["prefill"] = prefill_tokens_per_s(engines[k], args.prefill_len)
+    return figures
 
 
 def measure(engine: LLMEngine) -> dict:
@@ -178,38 +191,52 @@ def engine_args_of(args: argparse.Namespace, quantization: str | None, kv: str) 
     return engine_args
 
 
+def _quality(engine: LLMEngine, args: argparse.Namespace, kv: str) -> tuple[list, list | None]:
+    """(greedy runs, teacher-forced log-probabilities or None for a C8 cache) of an engine."""
+    greedy = greedy_with_logits(engine, quality_prompts(engine, args.num_quality_prompts, args.input_len),
+                                args.output_len)
+    tf = (teacher_forced(engine, quality_prompts(engine, args.num_quality_prompts, args.quality_len))
+          if kv == "auto" else None)
+    return greedy, tf
+
+
 def run_quant(args: argparse.Namespace) -> str:
-    results, base_tf, base_greedy = [], None, None
-    for name, quantization, kv in variants():
+    (base_name, _, base_kv), *others = variants()
+    base_args = engine_args_of(args, None, base_kv)
+    base_rss = resident_bytes(base_args, args.input_len)
+    base_engine = LLMEngine(base_args)
+    dtype = base_engine.dtype  # every variant resolves --dtype alike
+    base_greedy, base_tf = _quality(base_engine, args, base_kv)
+    base = {"variant": base_name, "quantization": None, "kv_cache_dtype": base_kv, "rss_bytes": base_rss,
+            **measure(base_engine), "rounds": [], "teacher_forced": compare_teacher_forced(base_tf, base_tf)}
+    base["greedy_agreement"], base["greedy_mean_kl"] = compare_greedy(base_greedy, base_greedy)
+    results = [base]
+    for name, quantization, kv in others:
         engine_args = engine_args_of(args, quantization, kv)
-        rss = resident_bytes(engine_args, args.input_len)
+        r = {"variant": name, "quantization": quantization, "kv_cache_dtype": kv,
+             "rss_bytes": resident_bytes(engine_args, args.input_len)}
         engine = LLMEngine(engine_args)
-        dtype = engine.dtype  # every variant resolves --dtype alike
-        r = {"variant": name, "quantization": quantization, "kv_cache_dtype": kv, "rss_bytes": rss,
-             **measure(engine), "rounds": [speed(engine, args)]}
-        greedy = greedy_with_logits(engine, quality_prompts(engine, args.num_quality_prompts, args.input_len),
-                                    args.output_len)
-        tf = (teacher_forced(engine, quality_prompts(engine, args.num_quality_prompts, args.quality_len))
-              if kv == "auto" else None)
+        r.update(measure(engine), rounds=[], baseline_rounds=[])
+        for i in range(args.rounds):
+            mine, twin = paired_speed(base_engine, engine, args, base_first=i % 2 == 0)
+            r["rounds"].append(mine)
+            r["baseline_rounds"].append(twin)
+            base["rounds"].append(twin)
+        greedy, tf = _quality(engine, args, kv)
         del engine
-        base_tf, base_greedy = base_tf or tf, base_greedy or greedy
         r["teacher_forced"] = compare_teacher_forced(base_tf, tf) if tf is not None else None
         r["greedy_agreement"], r["greedy_mean_kl"] = compare_greedy(base_greedy, greedy)
         results.append(r)
-    for _ in range(1, args.rounds):
-        for r, (_, quantization, kv) in zip(results, variants()):
-            engine = LLMEngine(engine_args_of(args, quantization, kv))
-            r["rounds"].append(speed(engine, args))
-            del engine
-    base = results[0]
+    del base_engine
+    base["baseline_rounds"] = base["rounds"]
     for r in results:
         r["decode_tokens_per_s"] = {b: statistics.median(x["decode"][b] for x in r["rounds"])
                                     for b in args.batch_sizes}
         r["prefill_tokens_per_s"] = statistics.median(x["prefill"] for x in r["rounds"])
         r["allowed_speedup"] = base["weight_bytes_per_token"] / r["weight_bytes_per_token"]
-        r["speedup"] = {b: _median_ratio(r["rounds"], base["rounds"], lambda x, b=b: x["decode"][b])
+        r["speedup"] = {b: _median_ratio(r["rounds"], r["baseline_rounds"], lambda x, b=b: x["decode"][b])
                         for b in args.batch_sizes}
-        r["prefill_speedup"] = _median_ratio(r["rounds"], base["rounds"], lambda x: x["prefill"])
+        r["prefill_speedup"] = _median_ratio(r["rounds"], r["baseline_rounds"], lambda x: x["prefill"])
         r["share_of_allowed_b1"] = r["speedup"][1] / r["allowed_speedup"] if 1 in r["speedup"] else float("nan")
         if r["teacher_forced"] is not None:
             tf = r["teacher_forced"]
@@ -272,7 +299,8 @@ def add_quant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=positive_int, default=32, help="generated tokens per prompt")
     parser.add_argument("--prefill-len", type=positive_int, default=1024, help="tokens of the prompt whose prefill is timed")
     parser.add_argument("--rounds", type=positive_int, default=2,
-                        help="speed rounds: each builds and times every variant in turn; figures are their medians")
+                        help="speed rounds per variant, each timing it and the unquantised engine back to back; "
+                             "figures are their medians")
     parser.add_argument("--num-quality-prompts", type=positive_int, default=8,
                         help="validation windows compared with the unquantised model")
     parser.add_argument("--quality-len", type=positive_int, default=256, help="tokens of each teacher-forced window")
