@@ -1,73 +1,156 @@
-"""Training corpus for the default model: the Python standard library's own source (code, comments, docstrings),
-read from the interpreter that runs the script. Licence: Python Software Foundation License (PSF-2.0).
+"""Training corpus for the default model: Python source written by people, read from the interpreter that runs the
+script: the standard library (code, comments, docstrings; PSF-2.0) and the pure-Python part of the permissively
+licensed packages in `PACKAGES`, which the project's own environment installs (pip, setuptools and the server's
+dependencies). Generated tables (the code-page codecs, Sphinx's pydoc topics, HTML entities, Unicode and IDNA data,
+locale aliases) are left out: they are data, not code, and a small model spends itself learning them.
 
-Deterministic: files are listed by path relative to the stdlib folder and sorted; which files are held out for
-validation is decided by a hash of that relative path, so the split does not depend on the Python version. The
-held-out text is written once into ``deltaserve/data/validation.txt`` and shipped, so tests measure on the same
-text whatever Python is installed; training always skips held-out files (by relative path).
+Deterministic: files are listed by path (stdlib files relative to the stdlib folder, package files as
+``site-packages/<distribution>/<path>``) and sorted; which files are held out is decided by a hash of that path, so
+the split does not depend on the Python version. The held-out text of the standard library is written once into
+``deltaserve/data/validation.txt`` and shipped, so tests measure on the same text whatever Python is installed;
+training always skips held-out files (by path). `manifest()` records each package's version, licence and size.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import io
 import sysconfig
+import tokenize
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 VALIDATION_PATH = DATA_DIR / "validation.txt"
 FILE_SEP = "\n\n"  # between documents: two blank lines, as between top-level definitions
 
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "lib2to3"}
-VAL_BUCKETS = 40  # a file is held out when hash(relative path) % VAL_BUCKETS == 0
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "testing", "idle_test", "lib2to3",
+              "_vendor", "vendor", "vendored"}
+VAL_BUCKETS = 40  # a file is held out when hash(path) % VAL_BUCKETS == 0
 VAL_MAX_BYTES = 300_000
+
+# Pure-Python packages installed with the project (its runtime dependencies and theirs, and the venv's pip and
+# setuptools), each under a licence in ALLOWED_LICENCES; vendored copies of other projects (`_vendor`) are skipped.
+PACKAGES = ("pip", "setuptools", "jinja2", "markupsafe", "fastapi", "starlette", "pydantic", "annotated-types",
+            "typing_extensions", "anyio", "idna", "uvicorn", "click", "h11", "jsonschema", "referencing", "attrs",
+            "prometheus_client")
+# SPDX identifiers and the trove classifiers' names of the same licences
+ALLOWED_LICENCES = {"MIT", "BSD-2-Clause", "BSD-3-Clause", "Apache-2.0", "PSF-2.0", "ISC", "MIT License",
+                    "BSD License", "Apache Software License", "Python Software Foundation License"}
+TABLE_MIN_BYTES = 4096
+TABLE_LITERAL_SHARE = 0.6  # tables: most tokens are literals (code: 0.05-0.25, the codecs 0.73-0.91)
 
 
 def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_files(root: Path | None = None) -> list[tuple[str, Path]]:
-    """(relative posix path, absolute path) of every stdlib ``.py`` file outside tests and third-party folders."""
-    root = root or stdlib_dir()
+def _listed(root: Path, prefix: str = "") -> list[tuple[str, Path]]:
     out = []
     for p in root.rglob("*.py"):
         rel = p.relative_to(root)
-        if any(part in _SKIP_DIRS for part in rel.parts[:-1]):
-            continue
-        out.append((rel.as_posix(), p))
+        if not any(part in _SKIP_DIRS for part in rel.parts[:-1]):
+            out.append((prefix + rel.as_posix(), p))
+    return out
+
+
+def stdlib_files(root: Path | None = None) -> list[tuple[str, Path]]:
+    """(relative posix path, absolute path) of every stdlib ``.py`` file outside tests and third-party folders."""
+    return sorted(_listed(root or stdlib_dir()))
+
+
+def package_licence(name: str) -> str:
+    """The licence of installed distribution `name` (its SPDX expression, else its trove classifiers); ValueError
+    unless every part is in ALLOWED_LICENCES."""
+    meta = importlib.metadata.distribution(name).metadata
+    expression = meta.get("License-Expression")
+    if expression:
+        parts = [p.strip("() ") for p in expression.replace(" OR ", " AND ").split(" AND ")]
+    else:
+        parts = [c.split("::")[-1].strip() for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
+    if not parts or any(p not in ALLOWED_LICENCES for p in parts):
+        raise ValueError(f"corpus: {name}'s licence {expression or parts} is not one the corpus takes")
+    return expression or " AND ".join(parts)
+
+
+def package_files(name: str) -> list[tuple[str, Path]]:
+    """(``site-packages/<name>/<path>``, absolute path) of the ``.py`` files installed distribution `name` owns,
+    outside tests and vendored folders."""
+    dist = importlib.metadata.distribution(name)
+    out = []
+    for f in dist.files or []:
+        rel = Path(str(f))
+        if rel.suffix == ".py" and ".." not in rel.parts and not any(p in _SKIP_DIRS for p in rel.parts[:-1]):
+            out.append((f"site-packages/{name}/{rel.as_posix()}", Path(dist.locate_file(f))))
     return sorted(out)
+
+
+def corpus_files() -> list[tuple[str, Path]]:
+    """Every candidate file: the standard library's, then each package's in `PACKAGES` order."""
+    files = stdlib_files()
+    for name in PACKAGES:
+        package_licence(name)
+        files += package_files(name)
+    return files
 
 
 def is_validation(rel: str) -> bool:
     return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % VAL_BUCKETS == 0
 
 
+def is_table(text: str) -> bool:
+    """A generated table rather than code: at least TABLE_MIN_BYTES, and numbers and strings make up more than
+    TABLE_LITERAL_SHARE of its names and literals (Python's tokenizer; a file it cannot read counts as a table)."""
+    if len(text) < TABLE_MIN_BYTES:
+        return False
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return True
+    literals = sum(t.type in (tokenize.NUMBER, tokenize.STRING) for t in tokens)
+    names = sum(t.type == tokenize.NAME for t in tokens)
+    return literals > TABLE_LITERAL_SHARE * max(1, literals + names)
+
+
 def _read(p: Path) -> str | None:
+    """A file's text with LF line ends and one final newline; None when unreadable as UTF-8 or blank."""
     try:
         text = p.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
         return None
-    return text.replace("\r\n", "\n").strip("\n") + "\n"
+    return text.replace("\r\n", "\n").strip("\n") + "\n" if text.strip() else None
 
 
-def training_documents(root: Path | None = None) -> list[str]:
-    """Training files' texts, in sorted path order (the held-out files are excluded)."""
+def training_documents() -> list[str]:
+    """Training files' texts, in `corpus_files` order: held-out files and tables excluded."""
     docs = []
-    for rel, p in stdlib_files(root):
+    for rel, p in corpus_files():
         if not is_validation(rel):
             text = _read(p)
-            if text:
+            if text and not is_table(text):
                 docs.append(text)
     return docs
 
 
+def manifest() -> dict:
+    """What the corpus is made of: the Python version, and per package its version, licence, and the files and
+    bytes it gives the training set."""
+    packages = []
+    for name in PACKAGES:
+        texts = [t for rel, p in package_files(name) if not is_validation(rel) and (t := _read(p)) and not is_table(t)]
+        packages.append({"name": name, "version": importlib.metadata.version(name), "licence": package_licence(name),
+                         "files": len(texts), "bytes": sum(len(t.encode()) for t in texts)})
+    return {"python": sysconfig.get_python_version(), "packages": packages}
+
+
 def build_validation_text(root: Path | None = None, max_bytes: int = VAL_MAX_BYTES) -> str:
-    """Held-out files concatenated in path order, whole files only, up to ``max_bytes`` UTF-8 bytes."""
+    """Held-out standard-library files (tables excluded) concatenated in path order, whole files only, up to
+    ``max_bytes`` UTF-8 bytes."""
     parts, size = [], 0
     for rel, p in stdlib_files(root):
         if is_validation(rel):
             text = _read(p)
-            if not text:
+            if not text or is_table(text):
                 continue
             n = len((text + FILE_SEP).encode())
             if size + n > max_bytes:

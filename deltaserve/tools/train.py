@@ -1,5 +1,7 @@
-"""Train a small K3.1-architecture model (KDA + DSA + AttnRes + latent MoE) on the Python standard library and
-write it in the real checkpoint layout. Used once to produce the shipped default model (deltaserve/data/).
+"""Train a small K3.1-architecture model (KDA + DSA + AttnRes + latent MoE) on Python source (the standard library and
+permissively licensed packages, deltaserve.tools.corpus) and write it in the real checkpoint layout. Used once to
+produce the shipped default model (deltaserve/data/); the export's training.json records the corpus's packages,
+versions and licences.
 
     python -m deltaserve.tools.train --out deltaserve/data/default_model --work /tmp/k31-train
 
@@ -324,13 +326,16 @@ def main(argv: list[str] | None = None) -> None:
         now = _dt.datetime.now(_dt.timezone.utc)
         deadline = now.replace(hour=hh, minute=mm, second=0, microsecond=0).timestamp()
 
+    sources = corpus.manifest()  # recorded with every export: what the model was trained on, under which licences
+
     def on_checkpoint(info: dict) -> None:
         val = evaluate(model, val_ids, max_tokens=2048)
         model.train()
         extra = {"step": info["step"], "tokens_seen": info["tokens_seen"], "train_seconds": round(info["seconds"]),
                  "seed": args.seed, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                  "steps_planned": args.steps, "val_loss_2048": round(val, 4),
-                 "train_loss_last50": round(sum(info["losses"][-50:]) / max(1, len(info["losses"][-50:])), 4)}
+                 "train_loss_last50": round(sum(info["losses"][-50:]) / max(1, len(info["losses"][-50:])), 4),
+                 "corpus": sources}
         export_model(model, config, raw, tok_dir, args.out, extra=extra)
         print(f"\ncheckpoint step {info['step']}: val loss {val:.3f} (ppl {math.exp(val):.1f}) -> {args.out}",
               flush=True)

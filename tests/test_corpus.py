@@ -1,0 +1,62 @@
+"""The default model's training corpus (deltaserve/tools/corpus.py): generated tables left out, packages only under
+the licences it takes and recorded, held-out files never trained on."""
+
+import importlib.metadata
+
+import pytest
+
+from deltaserve.tools import corpus
+
+
+@pytest.fixture(scope="module")
+def training():
+    return corpus.training_documents()
+
+
+def _stdlib_text(rel: str) -> str:
+    return corpus._read(corpus.stdlib_dir() / rel)
+
+
+@pytest.mark.parametrize("rel", ["encodings/cp1252.py", "encodings/mac_roman.py", "html/entities.py",
+                                 "pydoc_data/topics.py", "encodings/aliases.py", "stringprep.py"])
+def test_generated_tables_are_left_out(rel, training):
+    text = _stdlib_text(rel)
+    assert corpus.is_table(text)
+    assert text not in training
+
+
+@pytest.mark.parametrize("rel", ["os.py", "json/__init__.py", "_pydecimal.py", "encodings/utf_8.py", "keyword.py"])
+def test_code_is_kept(rel):
+    """Code, however many strings it holds, is not a table (keyword.py is a list, but a short one)."""
+    assert not corpus.is_table(_stdlib_text(rel))
+
+
+def test_packages_are_recorded_with_their_licences(training):
+    m = corpus.manifest()
+    assert [p["name"] for p in m["packages"]] == list(corpus.PACKAGES)
+    for p in m["packages"]:
+        assert p["version"] == importlib.metadata.version(p["name"]) and p["files"] > 0 and p["bytes"] > 0
+        assert all(part.strip("() ") in corpus.ALLOWED_LICENCES
+                   for part in p["licence"].replace(" OR ", " AND ").split(" AND "))
+    assert sum(p["bytes"] for p in m["packages"]) < sum(len(t.encode()) for t in training)
+    with pytest.raises(ValueError, match="tqdm"):  # MPL-2.0 AND MIT: not every part is one the corpus takes
+        corpus.package_licence("tqdm")
+
+
+def test_vendored_copies_and_tests_are_not_package_files():
+    rels = [rel for rel, _ in corpus.package_files("pip")]
+    assert rels and not any("/_vendor/" in r for r in rels)
+    assert all(r.startswith("site-packages/pip/") for r in rels)
+
+
+def test_held_out_files_never_train(training):
+    """Every file of the validation text is held out, and none of the held-out files' texts is trained on."""
+    text = corpus.build_validation_text()
+    heads = [line[2:] for line in text.splitlines() if line.startswith("# ") and line.endswith(".py")]
+    listed = dict(corpus.stdlib_files())
+    held = [rel for rel in heads if rel in listed]
+    assert len(held) > 10 and all(corpus.is_validation(rel) for rel in held)
+    trained = set(training)
+    for rel, p in corpus.corpus_files():
+        if corpus.is_validation(rel):
+            assert corpus._read(p) not in trained, rel
