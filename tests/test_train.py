@@ -10,14 +10,16 @@ import deltaserve
 from deltaserve.default_model import default_model_path
 from deltaserve.tools import corpus
 from deltaserve.tools.presets import _TINY, k3_config, k3_text_config
-from deltaserve.tools.train import build_model, evaluate, export_model, train
+from deltaserve.layers.batch import StepBatch
+from deltaserve.layers.moe import Router
+from deltaserve.tools.train import LoadBalancer, build_model, evaluate, export_model, mtp_loss, step_batch, train
 
 NUM_BPE = 4096 - 256  # the shipped tokenizer's size, so its ids feed the tiny model
 STEPS, BATCH, SEQ = 12, 2, 64  # SEQ > index_topk: DSA selection is active
 
 
 def _tiny_config() -> dict:
-    text = k3_text_config(**{**_TINY, "mtp": 0}, vocab=NUM_BPE + 256, num_bpe=NUM_BPE)
+    text = k3_text_config(**{**_TINY, "mtp": 1}, vocab=NUM_BPE + 256, num_bpe=NUM_BPE)
     return k3_config(text, indexer={"heads": 4, "head_dim": 16, "topk": 16}, num_bpe=NUM_BPE)
 
 
@@ -51,13 +53,73 @@ def test_loss_goes_down_and_is_deterministic(tokens):
     assert res_c["losses"] != res_a["losses"]
 
 
+def test_mtp_loss_scores_the_token_after_next_per_window(tokens):
+    """mtp_loss over two flattened windows = each window alone by hand: the MTP layer at position t reads token t's
+    embedding and the main state at t - 1 (zero at 0) and is scored on token t + 1, from t = 1; a shift that leaked
+    across windows, or the wrong target, changes it."""
+    model, _ = build_model(_tiny_config(), 0)
+    windows = torch.stack([tokens[:SEQ + 1], tokens[100:101 + SEQ]])
+    x, y = windows[:, :-1].reshape(-1), windows[:, 1:].reshape(-1)
+    with torch.no_grad():
+        got = mtp_loss(model, x, y, model(x, step_batch(2, SEQ)), step_batch(2, SEQ), SEQ)
+        (layer,) = model.mtp
+        parts = []
+        for w in windows:
+            one = StepBatch.single(SEQ)
+            h = model(w[:-1], one)
+            back = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
+            out = layer(model.embed_tokens(w[:-1]), back, one.positions, one)
+            parts.append(torch.nn.functional.cross_entropy(layer.logits(out)[1:], w[2:], reduction="sum"))
+    want = sum(parts) / (2 * (SEQ - 1))
+    assert torch.allclose(got, want, rtol=1e-5), (got, want)
+
+
+def test_training_lowers_the_mtp_loss(tokens):
+    _, res = _run(tokens, 0)
+    assert len(res["mtp_losses"]) == STEPS and sum(res["mtp_losses"][-2:]) < sum(res["mtp_losses"][:2])
+
+
+def test_load_balancer_moves_biases_against_the_load(tokens):
+    model, _ = build_model(_tiny_config(), 0)
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    balancer = LoadBalancer(model, 0.01)
+    start = {id(r): r.e_score_correction_bias.clone() for r in routers}
+    model.train()
+    picks = {id(r): [] for r in routers}
+    hooks = [r.register_forward_hook(lambda r, i, o: picks[id(r)].append(o.experts)) for r in routers]
+    with torch.no_grad():
+        model(tokens[:2 * SEQ], step_batch(2, SEQ))
+    for hook in hooks:
+        hook.remove()
+    worst = balancer.step()
+    expected_worst = 1.0
+    assert any(picks.values())
+    for r in routers:
+        if not picks[id(r)]:  # the MTP layer's router: not in the main forward, so not moved
+            assert torch.equal(r.e_score_correction_bias, start[id(r)])
+            continue
+        load = torch.bincount(torch.cat(picks[id(r)]).reshape(-1), minlength=r.e_score_correction_bias.numel()).float()
+        moved = r.e_score_correction_bias - start[id(r)]
+        assert torch.allclose(moved, 0.01 * torch.sign(load.mean() - load), atol=1e-7), (moved, load)
+        expected_worst = max(expected_worst, (load.max() / load.mean()).item())
+    assert worst == pytest.approx(expected_worst) and worst > 1
+    model.eval()  # evaluation forwards do not count
+    with torch.no_grad():
+        model(tokens[:SEQ], step_batch(1, SEQ))
+    before = [r.e_score_correction_bias.clone() for r in routers]
+    assert balancer.step() == 1.0
+    assert all(torch.equal(b, r.e_score_correction_bias) for b, r in zip(before, routers))
+    balancer.close()
+
+
 def test_resume_matches_uninterrupted(tokens, tmp_path):
     state = tmp_path / "state.safetensors"
     _, full = _run(tokens, 0)
     _run(tokens, 0, state_path=state, stop_at=8)  # interrupted after step 8 (checkpoint at 5 and 8)
     model, resumed = _run(tokens, 0, steps=STEPS, state_path=state)
     assert resumed["step"] == STEPS
-    assert resumed["losses"] == full["losses"]
+    for key in ("losses", "mtp_losses", "load_imbalance"):  # the MTP loss and the router biases resume too
+        assert resumed[key] == full[key], key
 
 
 def test_export_loads_through_normal_path(tokens, tmp_path):

@@ -108,6 +108,62 @@ def sequence_loss(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(model.compute_logits(h), y)
 
 
+def mtp_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, batch: StepBatch,
+             seq_len: int) -> torch.Tensor:
+    """Mean cross-entropy of the MTP layers over flattened windows (x, y [B * seq_len] inputs and next tokens, h the
+    main stack's pre-norm states), as they draft at inference (docs/model.md §13): layer k at position t reads the
+    embedding of token t and the state one position back (the main stack's for k = 1, layer k - 1's after it), so
+    it predicts token t + 1 from what was known at t - 1: the token after next. Positions t < k have no such state
+    (it is zero there, and the embedding is zeroed at position 0) and are not scored."""
+    embeds = model.embed_tokens(x)
+    prev, total = h, h.new_zeros((), dtype=torch.float32)
+    for k, layer in enumerate(model.mtp, start=1):
+        d = prev.shape[-1]
+        back = F.pad(prev.view(-1, seq_len, d)[:, :-1], (0, 0, 1, 0)).reshape(-1, d)
+        prev = layer(embeds, back, batch.positions, batch)
+        scored = batch.positions >= k
+        total = total + F.cross_entropy(layer.logits(prev)[scored], y[scored])
+    return total / max(1, len(model.mtp))
+
+
+class LoadBalancer:
+    """Auxiliary-loss-free expert balancing (DeepSeek-V3): every router's top-k choices of a step are counted
+    (a forward hook), and after the step each expert's correction bias moves by `rate` towards equal loads: up
+    for experts chosen less than the mean, down for those chosen more. The bias only ranks experts (the combine
+    weights come from the scores without it), so it balances the load without a loss term pulling on the model."""
+
+    def __init__(self, model: torch.nn.Module, rate: float):
+        from ..layers.moe import Router
+
+        self.rate = rate
+        self.routers = [m for m in model.modules() if isinstance(m, Router)]
+        self.counts: dict[int, torch.Tensor] = {}
+        self.hooks = [r.register_forward_hook(self._count) for r in self.routers]
+
+    def _count(self, router, _inputs, routing) -> None:
+        if not router.training:  # evaluation forwards between steps must not move the biases
+            return
+        counts = torch.bincount(routing.experts.reshape(-1), minlength=router.e_score_correction_bias.numel())
+        self.counts[id(router)] = self.counts.get(id(router), 0) + counts
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """Moves the biases by this step's counts; returns the step's worst max/mean expert load (1 = even)."""
+        worst = 1.0
+        for r in self.routers:
+            counts = self.counts.pop(id(r), None)
+            if counts is None:
+                continue
+            load = counts.float()
+            r.e_score_correction_bias += self.rate * torch.sign(load.mean() - load)
+            worst = max(worst, (load.max() / load.mean().clamp(min=1e-9)).item())
+        return worst
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, ids: list[int] | torch.Tensor, seq_len: int = 256, max_tokens: int = 4096,
              seqs_per_step: int = 4) -> float:
@@ -209,11 +265,14 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1)
 def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: int, seq_len: int, lr: float,
           seed: int, warmup: int = 20, weight_decay: float = 0.1, clip: float = 1.0, state_path: Path | None = None,
           ckpt_every: int = 0, on_checkpoint=None, deadline: float | None = None, stop_at: int | None = None,
-          progress: bool = True, log: list | None = None) -> dict:
+          progress: bool = True, log: list | None = None, mtp_weight: float = 0.3, balance_rate: float = 1e-3) -> dict:
     """Train in place on random windows of ``tokens``; deterministic in ``seed``; resumes from ``state_path``.
+    The loss is the next-token cross-entropy plus ``mtp_weight`` times the MTP layers' (`mtp_loss`; none without
+    them); the routers' correction biases follow the load (`LoadBalancer`, ``balance_rate``; 0: frozen).
 
-    Returns {"step", "tokens_seen", "seconds", "losses"}. Stops early (after a checkpoint) at ``deadline``
-    (time.time() value) or after step ``stop_at``; the LR schedule always follows ``steps``."""
+    Returns {"step", "tokens_seen", "seconds", "losses" (next-token), "mtp_losses", "load_imbalance" (each step's
+    worst max/mean expert load)}. Stops early (after a checkpoint) at ``deadline`` (time.time() value) or after step
+    ``stop_at``; the LR schedule always follows ``steps``."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
@@ -222,13 +281,16 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(seed)
-    step, seconds, losses = 0, 0.0, []
+    step, seconds, losses, mtp_losses, imbalance = 0, 0.0, [], [], []
     if state_path is not None and state_path.exists():
         st = _load_training_state(state_path, model, opt, gen)
         step, seconds, losses = st["step"], st["seconds"], st["losses"]
+        mtp_losses, imbalance = st.get("mtp_losses", []), st.get("load_imbalance", [])
+    balancer = LoadBalancer(model, balance_rate) if balance_rate else None
 
     def checkpoint() -> None:
-        info = {"step": step, "tokens_seen": step * batch * seq_len, "seconds": seconds, "losses": losses}
+        info = {"step": step, "tokens_seen": step * batch * seq_len, "seconds": seconds, "losses": losses,
+                "mtp_losses": mtp_losses, "load_imbalance": imbalance}
         if state_path is not None:
             _save_training_state(state_path, model, opt, gen, info)
         if on_checkpoint is not None:
@@ -243,11 +305,21 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
         windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
-        loss = sequence_loss(model, windows)
+        x, y = windows[:, :-1].reshape(-1), windows[:, 1:].reshape(-1)
+        layout = step_batch(batch, seq_len)
+        h = model(x, layout)
+        loss = F.cross_entropy(model.compute_logits(h), y)
+        total = loss
+        if mtp_weight and len(model.mtp):
+            extra = mtp_loss(model, x, y, h, layout, seq_len)
+            total = loss + mtp_weight * extra
+            mtp_losses.append(round(extra.item(), 4))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        if balancer is not None:
+            imbalance.append(round(balancer.step(), 3))
         step += 1
         dt = time.perf_counter() - t0
         seconds += dt
@@ -263,7 +335,10 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
         if last:
             break
     bar.close()
-    return {"step": step, "tokens_seen": step * batch * seq_len, "seconds": seconds, "losses": losses}
+    if balancer is not None:
+        balancer.close()
+    return {"step": step, "tokens_seen": step * batch * seq_len, "seconds": seconds, "losses": losses,
+            "mtp_losses": mtp_losses, "load_imbalance": imbalance}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--deadline", type=str, default=None, help="stop after this UTC time, HH:MM (checkpointed)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mtp-weight", type=float, default=0.3, help="weight of the MTP layers' loss (none without them)")
+    ap.add_argument("--balance-rate", type=float, default=1e-3,
+                    help="router correction-bias step per training step towards equal expert loads (0: frozen)")
     ap.add_argument("--write-validation", action="store_true", help="(re)write deltaserve/data/validation.txt")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -335,6 +413,10 @@ def main(argv: list[str] | None = None) -> None:
                  "seed": args.seed, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                  "steps_planned": args.steps, "val_loss_2048": round(val, 4),
                  "train_loss_last50": round(sum(info["losses"][-50:]) / max(1, len(info["losses"][-50:])), 4),
+                 "mtp_weight": args.mtp_weight, "balance_rate": args.balance_rate,
+                 "mtp_loss_last50": round(sum(info["mtp_losses"][-50:]) / max(1, len(info["mtp_losses"][-50:])), 4),
+                 "load_imbalance_last50": round(sum(info["load_imbalance"][-50:])
+                                                / max(1, len(info["load_imbalance"][-50:])), 3),
                  "corpus": sources}
         export_model(model, config, raw, tok_dir, args.out, extra=extra)
         print(f"\ncheckpoint step {info['step']}: val loss {val:.3f} (ppl {math.exp(val):.1f}) -> {args.out}",
@@ -342,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
 
     res = train(model, tokens, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                 seed=args.seed, warmup=args.warmup, state_path=args.work / "state.safetensors", ckpt_every=args.ckpt_every,
-                on_checkpoint=on_checkpoint, deadline=deadline)
+                on_checkpoint=on_checkpoint, deadline=deadline, mtp_weight=args.mtp_weight,
+                balance_rate=args.balance_rate)
     print(f"done: {res['step']} steps, {res['tokens_seen']} tokens, {res['seconds']:.0f}s")
 
 
