@@ -12,7 +12,8 @@ from deltaserve.tools import corpus
 from deltaserve.tools.presets import _TINY, k3_config, k3_text_config
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.moe import Router
-from deltaserve.tools.train import LoadBalancer, build_model, evaluate, export_model, mtp_loss, step_batch, train
+from deltaserve.tools.train import (IndexerInputs, LoadBalancer, attention_mass, build_model, evaluate, export_model,
+                                   indexer_loss, indexer_recall, mtp_loss, step_batch, train)
 
 NUM_BPE = 4096 - 256  # the shipped tokenizer's size, so its ids feed the tiny model
 STEPS, BATCH, SEQ = 12, 2, 64  # SEQ > index_topk: DSA selection is active
@@ -79,6 +80,52 @@ def test_training_lowers_the_mtp_loss(tokens):
     assert len(res["mtp_losses"]) == STEPS and sum(res["mtp_losses"][-2:]) < sum(res["mtp_losses"][:2])
 
 
+def test_indexer_loss_trains_only_the_indexer(tokens):
+    """The KL term's gradient reaches the lightning indexers and nothing else (their inputs are detached), the
+    attention mass it targets is each query's causal distribution, and training lowers it."""
+    model, _ = build_model(_tiny_config(), 0)
+    inputs = IndexerInputs(model)
+    model.train()
+    model(tokens[:2 * SEQ], step_batch(2, SEQ))
+    taken = inputs.take()
+    assert len(taken) == len(inputs.layers) > 0 and not inputs.take()
+    layer, x = taken[0]
+    q_nope, q_pe, rows, _, _ = layer._project(x, step_batch(2, SEQ))
+    p = attention_mass(layer, q_nope, q_pe, rows, SEQ)
+    assert torch.allclose(p.sum(-1), torch.ones(2, SEQ)) and not p.triu(1).any()
+    loss = indexer_loss(taken, step_batch(2, SEQ), SEQ)
+    assert loss.item() > 0
+    loss.backward()
+    moved = {n for n, q in model.named_parameters() if q.grad is not None and q.grad.abs().sum() > 0}
+    assert moved and all(".indexer." in n for n in moved), sorted(moved)
+    inputs.close()
+    _, res = _run(tokens, 0)
+    assert len(res["indexer_losses"]) == STEPS and sum(res["indexer_losses"][-2:]) < sum(res["indexer_losses"][:2])
+
+
+def test_indexer_loss_raises_the_recall_of_attention_mass(tokens):
+    """On a fixed model, fitting only the indexers to the KL makes their top-k keep more of each query's attention
+    mass at a context past the top-k."""
+    model, _ = build_model(_tiny_config(), 0)
+    window = tokens[:4 * SEQ]
+    before = indexer_recall(model, window, 4 * SEQ)
+    inputs = IndexerInputs(model)
+    model.train()
+    with torch.no_grad():
+        model(window, step_batch(1, 4 * SEQ))
+    taken = inputs.take()
+    inputs.close()
+    params = [q for m, _ in taken for q in m.indexer.parameters()]
+    opt = torch.optim.Adam(params, lr=1e-2)
+    for _ in range(60):
+        opt.zero_grad()
+        indexer_loss(taken, step_batch(1, 4 * SEQ), 4 * SEQ).backward()
+        opt.step()
+    after = indexer_recall(model, window, 4 * SEQ)
+    # a fresh model attends nearly evenly, so even the best 16 keys hold a small share: the gain is what counts
+    assert 0 < before and after > before + 0.03 and after <= 1, (before, after)
+
+
 def test_load_balancer_moves_biases_against_the_load(tokens):
     model, _ = build_model(_tiny_config(), 0)
     routers = [m for m in model.modules() if isinstance(m, Router)]
@@ -118,7 +165,7 @@ def test_resume_matches_uninterrupted(tokens, tmp_path):
     _run(tokens, 0, state_path=state, stop_at=8)  # interrupted after step 8 (checkpoint at 5 and 8)
     model, resumed = _run(tokens, 0, steps=STEPS, state_path=state)
     assert resumed["step"] == STEPS
-    for key in ("losses", "mtp_losses", "load_imbalance"):  # the MTP loss and the router biases resume too
+    for key in ("losses", "mtp_losses", "indexer_losses", "load_imbalance"):  # MTP, indexers, biases resume too
         assert resumed[key] == full[key], key
 
 

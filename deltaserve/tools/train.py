@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..layers.batch import StepBatch
+from ..ops.indexer import indexer_scores_ref
 from ..tokenizer.base import CHAR_TO_BYTE
 from .make_model import _save_sharded, build_random, checkpoint_tensors
 from .presets import get_preset
@@ -124,6 +125,92 @@ def mtp_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, h: torch.
         scored = batch.positions >= k
         total = total + F.cross_entropy(layer.logits(prev)[scored], y[scored])
     return total / max(1, len(model.mtp))
+
+
+class IndexerInputs:
+    """Forward pre-hooks on every attention layer with a lightning indexer: each layer's input of the training
+    step, detached (the indexer learns beside the model, not through it), for `indexer_loss`."""
+
+    def __init__(self, model: torch.nn.Module):
+        from ..layers.mla import MLAttention
+
+        self.layers = [m for m in model.modules() if isinstance(m, MLAttention) and m.indexer is not None]
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.hooks = [m.register_forward_pre_hook(self._keep) for m in self.layers]
+
+    def _keep(self, module, args) -> None:
+        if module.training:
+            self.inputs[id(module)] = args[0].detach()
+
+    def take(self) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+        """(layer, input) of the layers the last forward ran, and forget them."""
+        out = [(m, self.inputs.pop(id(m))) for m in self.layers if id(m) in self.inputs]
+        self.inputs.clear()
+        return out
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def attention_mass(layer: torch.nn.Module, q_nope: torch.Tensor, q_pe: torch.Tensor, latent_rows: torch.Tensor,
+                   seq_len: int) -> torch.Tensor:
+    """An MLA layer's full causal attention distribution over keys from its projections (`_project`), heads
+    averaged (each head's softmax summed and L1-normalised, what DSA trains its indexer against): [B, T, T] for the
+    B windows of `seq_len` rows."""
+    H, n, r = layer.H, layer.n, layer.r
+    k_nope = F.linear(latent_rows[:, :r], layer.kv_b_proj.weight).view(-1, H, n + layer.v)[..., :n]
+    B = q_nope.shape[0] // seq_len
+    w = lambda t: t.reshape(B, seq_len, *t.shape[1:]).float()
+    scores = (torch.einsum("bthn,bshn->bhts", w(q_nope), w(k_nope))
+              + torch.einsum("bthr,bsr->bhts", w(q_pe), w(latent_rows[:, r:]))) * layer.scale
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(-1).mean(1)
+
+
+def indexer_loss(taken: list[tuple[torch.nn.Module, torch.Tensor]], batch: StepBatch, seq_len: int) -> torch.Tensor:
+    """Mean over layers, windows and queries of KL(attention mass || softmax of the indexer's scores) over each
+    query's causal keys (DeepSeek-V3.2's indexer objective in its dense form): the gradient reaches only the indexer,
+    whose inputs (the layer input and the MLA's c_q) are detached."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    total = torch.zeros(())
+    for layer, x in taken:
+        with torch.no_grad():
+            q_nope, q_pe, latent_rows, c_q, cos_sin = layer._project(x, batch)
+            p = attention_mass(layer, q_nope, q_pe, latent_rows, seq_len)
+        iq, ik, iw = layer.indexer.project(x, c_q, cos_sin)
+        for b in range(p.shape[0]):
+            rows = slice(b * seq_len, (b + 1) * seq_len)
+            log_q = indexer_scores_ref(iq[rows], ik[rows], iw[rows]).masked_fill(~causal, float("-inf")).log_softmax(-1)
+            kl = torch.where(causal, p[b] * (p[b].clamp(min=1e-30).log() - log_q), 0.0).sum(-1).mean()
+            total = total + kl / (p.shape[0] * len(taken))
+    return total
+
+
+@torch.no_grad()
+def indexer_recall(model: torch.nn.Module, ids: torch.Tensor, context: int = 1024) -> float:
+    """The share of each query's full attention mass (heads averaged) that its lightning indexer's top-k selection
+    keeps, over one window of `context` tokens of `ids`: the mean over every DSA layer and every query with more
+    causal keys than the top-k (fewer select all of them)."""
+    from ..ops.indexer import select_topk, selection_mask
+
+    inputs = IndexerInputs(model)
+    was_training = model.training
+    model.train()  # the hooks keep training-mode inputs; nothing here updates anything
+    layout = StepBatch.single(context)
+    model(ids[:context], layout)
+    model.train(was_training)
+    taken = inputs.take()
+    inputs.close()
+    topk = model.config.index_topk
+    shares = []
+    for layer, x in taken:
+        q_nope, q_pe, rows, c_q, cos_sin = layer._project(x, layout)
+        p = attention_mass(layer, q_nope, q_pe, rows, context)[0]
+        iq, ik, iw = layer.indexer.project(x, c_q, cos_sin)
+        kept = selection_mask(select_topk(indexer_scores_ref(iq, ik, iw), layout.positions, topk), context)
+        shares.append((p * kept).sum(-1)[topk:].mean().item())
+    return sum(shares) / max(1, len(shares))
 
 
 class LoadBalancer:
@@ -265,13 +352,15 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1)
 def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: int, seq_len: int, lr: float,
           seed: int, warmup: int = 20, weight_decay: float = 0.1, clip: float = 1.0, state_path: Path | None = None,
           ckpt_every: int = 0, on_checkpoint=None, deadline: float | None = None, stop_at: int | None = None,
-          progress: bool = True, log: list | None = None, mtp_weight: float = 0.3, balance_rate: float = 1e-3) -> dict:
+          progress: bool = True, log: list | None = None, mtp_weight: float = 0.3, balance_rate: float = 1e-3,
+          indexer_weight: float = 1.0) -> dict:
     """Train in place on random windows of ``tokens``; deterministic in ``seed``; resumes from ``state_path``.
     The loss is the next-token cross-entropy plus ``mtp_weight`` times the MTP layers' (`mtp_loss`; none without
-    them); the routers' correction biases follow the load (`LoadBalancer`, ``balance_rate``; 0: frozen).
+    them) plus ``indexer_weight`` times the lightning indexers' (`indexer_loss`, which trains only them); the routers'
+    correction biases follow the load (`LoadBalancer`, ``balance_rate``; 0: frozen).
 
-    Returns {"step", "tokens_seen", "seconds", "losses" (next-token), "mtp_losses", "load_imbalance" (each step's
-    worst max/mean expert load)}. Stops early (after a checkpoint) at ``deadline`` (time.time() value) or after step
+    Returns {"step", "tokens_seen", "seconds", "losses" (next-token), "mtp_losses", "indexer_losses",
+    "load_imbalance" (each step's worst max/mean expert load)}. Stops early (after a checkpoint) at ``deadline`` (time.time() value) or after step
     ``stop_at``; the LR schedule always follows ``steps``."""
     from tqdm import tqdm
 
@@ -281,16 +370,18 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(seed)
-    step, seconds, losses, mtp_losses, imbalance = 0, 0.0, [], [], []
+    step, seconds, losses, mtp_losses, indexer_losses, imbalance = 0, 0.0, [], [], [], []
     if state_path is not None and state_path.exists():
         st = _load_training_state(state_path, model, opt, gen)
         step, seconds, losses = st["step"], st["seconds"], st["losses"]
         mtp_losses, imbalance = st.get("mtp_losses", []), st.get("load_imbalance", [])
+        indexer_losses = st.get("indexer_losses", [])
     balancer = LoadBalancer(model, balance_rate) if balance_rate else None
+    indexer_inputs = IndexerInputs(model) if indexer_weight else None
 
     def checkpoint() -> None:
         info = {"step": step, "tokens_seen": step * batch * seq_len, "seconds": seconds, "losses": losses,
-                "mtp_losses": mtp_losses, "load_imbalance": imbalance}
+                "mtp_losses": mtp_losses, "indexer_losses": indexer_losses, "load_imbalance": imbalance}
         if state_path is not None:
             _save_training_state(state_path, model, opt, gen, info)
         if on_checkpoint is not None:
@@ -314,6 +405,12 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
             extra = mtp_loss(model, x, y, h, layout, seq_len)
             total = loss + mtp_weight * extra
             mtp_losses.append(round(extra.item(), 4))
+        if indexer_inputs is not None:
+            taken = indexer_inputs.take()
+            if taken:
+                kl = indexer_loss(taken, layout, seq_len)
+                total = total + indexer_weight * kl
+                indexer_losses.append(round(kl.item(), 4))
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -335,10 +432,11 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
         if last:
             break
     bar.close()
-    if balancer is not None:
-        balancer.close()
+    for hooks in (balancer, indexer_inputs):
+        if hooks is not None:
+            hooks.close()
     return {"step": step, "tokens_seen": step * batch * seq_len, "seconds": seconds, "losses": losses,
-            "mtp_losses": mtp_losses, "load_imbalance": imbalance}
+            "mtp_losses": mtp_losses, "indexer_losses": indexer_losses, "load_imbalance": imbalance}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -363,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deadline", type=str, default=None, help="stop after this UTC time, HH:MM (checkpointed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mtp-weight", type=float, default=0.3, help="weight of the MTP layers' loss (none without them)")
+    ap.add_argument("--indexer-weight", type=float, default=1.0,
+                    help="weight of the lightning indexers' KL to the attention mass (trains only them; 0: frozen)")
     ap.add_argument("--balance-rate", type=float, default=1e-3,
                     help="router correction-bias step per training step towards equal expert loads (0: frozen)")
     ap.add_argument("--write-validation", action="store_true", help="(re)write deltaserve/data/validation.txt")
@@ -414,6 +514,10 @@ def main(argv: list[str] | None = None) -> None:
                  "steps_planned": args.steps, "val_loss_2048": round(val, 4),
                  "train_loss_last50": round(sum(info["losses"][-50:]) / max(1, len(info["losses"][-50:])), 4),
                  "mtp_weight": args.mtp_weight, "balance_rate": args.balance_rate,
+                 "indexer_weight": args.indexer_weight,
+                 "indexer_loss_last50": round(sum(info["indexer_losses"][-50:])
+                                              / max(1, len(info["indexer_losses"][-50:])), 4),
+                 "indexer_recall_1k": round(indexer_recall(model, torch.as_tensor(val_ids), 1024), 4),
                  "mtp_loss_last50": round(sum(info["mtp_losses"][-50:]) / max(1, len(info["mtp_losses"][-50:])), 4),
                  "load_imbalance_last50": round(sum(info["load_imbalance"][-50:])
                                                 / max(1, len(info["load_imbalance"][-50:])), 3),
@@ -425,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     res = train(model, tokens, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                 seed=args.seed, warmup=args.warmup, state_path=args.work / "state.safetensors", ckpt_every=args.ckpt_every,
                 on_checkpoint=on_checkpoint, deadline=deadline, mtp_weight=args.mtp_weight,
-                balance_rate=args.balance_rate)
+                balance_rate=args.balance_rate, indexer_weight=args.indexer_weight)
     print(f"done: {res['step']} steps, {res['tokens_seen']} tokens, {res['seconds']:.0f}s")
 
 
