@@ -13,7 +13,7 @@ from deltaserve.tools.presets import _TINY, k3_config, k3_text_config
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.moe import Router
 from deltaserve.tools.train import (IndexerInputs, LoadBalancer, attention_mass, build_model, evaluate, export_model,
-                                   indexer_loss, indexer_recall, mtp_loss, step_batch, train)
+                                   indexer_loss, indexer_recall, mtp_agreement, mtp_loss, step_batch, train)
 
 NUM_BPE = 4096 - 256  # the shipped tokenizer's size, so its ids feed the tiny model
 STEPS, BATCH, SEQ = 12, 2, 64  # SEQ > index_topk: DSA selection is active
@@ -78,6 +78,21 @@ def test_mtp_loss_scores_the_token_after_next_per_window(tokens):
 def test_training_lowers_the_mtp_loss(tokens):
     _, res = _run(tokens, 0)
     assert len(res["mtp_losses"]) == STEPS and sum(res["mtp_losses"][-2:]) < sum(res["mtp_losses"][:2])
+
+
+def test_mtp_agreement_compares_drafts_with_greedy_tokens(tokens):
+    """mtp_agreement by hand on one window: the MTP layer's argmax at t from (state t - 1, token t) against the
+    main argmax at t, t >= 1."""
+    model, _ = build_model(_tiny_config(), 0)
+    with torch.no_grad():
+        one = StepBatch.single(SEQ)
+        x = tokens[:SEQ]
+        h = model(x, one)
+        layer = model.mtp[0]
+        draft = layer.logits(layer(model.embed_tokens(x), torch.cat([torch.zeros_like(h[:1]), h[:-1]]),
+                                   one.positions, one)).argmax(-1)
+        want = (draft[1:] == model.compute_logits(h).argmax(-1)[1:]).float().mean().item()
+    assert mtp_agreement(model, tokens, SEQ, 1) == pytest.approx(want)
 
 
 def test_indexer_loss_trains_only_the_indexer(tokens):

@@ -188,6 +188,24 @@ def indexer_loss(taken: list[tuple[torch.nn.Module, torch.Tensor]], batch: StepB
 
 
 @torch.no_grad()
+def mtp_agreement(model: torch.nn.Module, ids: torch.Tensor, seq_len: int = 256, windows: int = 4) -> float:
+    """How often the first MTP layer's top-1 token at position t (drafted from the state at t - 1 and token t)
+    equals the main model's greedy choice at t, over the first `windows` windows of `seq_len` tokens of `ids`,
+    positions t >= 1: the acceptance a one-token MTP draft would see under greedy verification."""
+    if not len(model.mtp):
+        return float("nan")
+    x = ids[:windows * seq_len]
+    layout = step_batch(len(x) // seq_len, seq_len)
+    h = model(x, layout)
+    d = h.shape[-1]
+    back = F.pad(h.view(-1, seq_len, d)[:, :-1], (0, 0, 1, 0)).reshape(-1, d)
+    layer = model.mtp[0]
+    draft = layer.logits(layer(model.embed_tokens(x), back, layout.positions, layout)).argmax(-1)
+    scored = layout.positions >= 1
+    return (draft == model.compute_logits(h).argmax(-1))[scored].float().mean().item()
+
+
+@torch.no_grad()
 def indexer_recall(model: torch.nn.Module, ids: torch.Tensor, context: int = 1024) -> float:
     """The share of each query's full attention mass (heads averaged) that its lightning indexer's top-k selection
     keeps, over one window of `context` tokens of `ids`: the mean over every DSA layer and every query with more
@@ -518,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
                  "indexer_loss_last50": round(sum(info["indexer_losses"][-50:])
                                               / max(1, len(info["indexer_losses"][-50:])), 4),
                  "indexer_recall_1k": round(indexer_recall(model, torch.as_tensor(val_ids), 1024), 4),
+                 "mtp_greedy_agreement": round(mtp_agreement(model, torch.as_tensor(val_ids)), 4),
                  "mtp_loss_last50": round(sum(info["mtp_losses"][-50:]) / max(1, len(info["mtp_losses"][-50:])), 4),
                  "load_imbalance_last50": round(sum(info["load_imbalance"][-50:])
                                                 / max(1, len(info["load_imbalance"][-50:])), 3),
