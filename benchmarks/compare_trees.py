@@ -71,8 +71,8 @@ print(json.dumps({"workload": workload, "value": value}))
 
 def measure(tree: str, model: str, workload: str, quantization: str | None) -> float:
     env = dict(os.environ, PYTHONPATH=tree, OMP_WAIT_POLICY="PASSIVE")
-    out = subprocess.run([sys.executable, "-c", ONE, model, workload, quantization or ""], env=env, capture_output=True, text=True,
-                         check=True, timeout=1800)
+    out = subprocess.run([sys.executable, "-c", ONE, model, workload, quantization or ""], env=env,
+                         capture_output=True, text=True, check=True, timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])["value"]
 
 

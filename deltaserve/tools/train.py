@@ -100,13 +100,26 @@ def step_batch(num_seqs: int, seq_len: int) -> StepBatch:
                      [0] * num_seqs)
 
 
+def forward_windows(model: torch.nn.Module, windows: torch.Tensor):
+    """The main stack over ``windows`` [B, T+1] (each row an independent sequence): inputs x and next tokens y
+    [B * T], pre-norm states h [B * T, d] and the layout."""
+    B, T1 = windows.shape
+    x, y = windows[:, :-1].reshape(-1), windows[:, 1:].reshape(-1)
+    layout = step_batch(B, T1 - 1)
+    return x, y, model(x, layout), layout
+
+
 def sequence_loss(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over ``windows`` [B, T+1] (each row an independent sequence)."""
-    B, T1 = windows.shape
-    x = windows[:, :-1].reshape(-1)
-    y = windows[:, 1:].reshape(-1)
-    h = model(x, step_batch(B, T1 - 1))
+    _, y, h, _ = forward_windows(model, windows)
     return F.cross_entropy(model.compute_logits(h), y)
+
+
+def one_back(h: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """States [B * seq_len, d] moved one position later within each window, zero at its first position: what an
+    MTP layer reads beside token t."""
+    d = h.shape[-1]
+    return F.pad(h.view(-1, seq_len, d)[:, :-1], (0, 0, 1, 0)).reshape(-1, d)
 
 
 def mtp_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, h: torch.Tensor, batch: StepBatch,
@@ -119,17 +132,15 @@ def mtp_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, h: torch.
     embeds = model.embed_tokens(x)
     prev, total = h, h.new_zeros((), dtype=torch.float32)
     for k, layer in enumerate(model.mtp, start=1):
-        d = prev.shape[-1]
-        back = F.pad(prev.view(-1, seq_len, d)[:, :-1], (0, 0, 1, 0)).reshape(-1, d)
-        prev = layer(embeds, back, batch.positions, batch)
+        prev = layer(embeds, one_back(prev, seq_len), batch.positions, batch)
         scored = batch.positions >= k
         total = total + F.cross_entropy(layer.logits(prev)[scored], y[scored])
     return total / max(1, len(model.mtp))
 
 
 class IndexerInputs:
-    """Forward pre-hooks on every attention layer with a lightning indexer: each layer's input of the training
-    step, detached (the indexer learns beside the model, not through it), for `indexer_loss`."""
+    """Forward pre-hooks on every attention layer with a lightning indexer: each layer's input of the last
+    forward, detached (the indexer learns beside the model, not through it), for `indexer_loss`."""
 
     def __init__(self, model: torch.nn.Module):
         from ..layers.mla import MLAttention
@@ -139,8 +150,7 @@ class IndexerInputs:
         self.hooks = [m.register_forward_pre_hook(self._keep) for m in self.layers]
 
     def _keep(self, module, args) -> None:
-        if module.training:
-            self.inputs[id(module)] = args[0].detach()
+        self.inputs[id(module)] = args[0].detach()
 
     def take(self) -> list[tuple[torch.nn.Module, torch.Tensor]]:
         """(layer, input) of the layers the last forward ran, and forget them."""
@@ -197,10 +207,8 @@ def mtp_agreement(model: torch.nn.Module, ids: torch.Tensor, seq_len: int = 256,
     x = ids[:windows * seq_len]
     layout = step_batch(len(x) // seq_len, seq_len)
     h = model(x, layout)
-    d = h.shape[-1]
-    back = F.pad(h.view(-1, seq_len, d)[:, :-1], (0, 0, 1, 0)).reshape(-1, d)
     layer = model.mtp[0]
-    draft = layer.logits(layer(model.embed_tokens(x), back, layout.positions, layout)).argmax(-1)
+    draft = layer.logits(layer(model.embed_tokens(x), one_back(h, seq_len), layout.positions, layout)).argmax(-1)
     scored = layout.positions >= 1
     return (draft == model.compute_logits(h).argmax(-1))[scored].float().mean().item()
 
@@ -213,11 +221,8 @@ def indexer_recall(model: torch.nn.Module, ids: torch.Tensor, context: int = 102
     from ..ops.indexer import select_topk, selection_mask
 
     inputs = IndexerInputs(model)
-    was_training = model.training
-    model.train()  # the hooks keep training-mode inputs; nothing here updates anything
     layout = StepBatch.single(context)
     model(ids[:context], layout)
-    model.train(was_training)
     taken = inputs.take()
     inputs.close()
     topk = model.config.index_topk
@@ -378,8 +383,8 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
     correction biases follow the load (`LoadBalancer`, ``balance_rate``; 0: frozen).
 
     Returns {"step", "tokens_seen", "seconds", "losses" (next-token), "mtp_losses", "indexer_losses",
-    "load_imbalance" (each step's worst max/mean expert load)}. Stops early (after a checkpoint) at ``deadline`` (time.time() value) or after step
-    ``stop_at``; the LR schedule always follows ``steps``."""
+    "load_imbalance" (each step's worst max/mean expert load)}. Stops early (after a checkpoint) at ``deadline``
+    (time.time() value) or after step ``stop_at``; the LR schedule always follows ``steps``."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
@@ -414,9 +419,7 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
         windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
-        x, y = windows[:, :-1].reshape(-1), windows[:, 1:].reshape(-1)
-        layout = step_batch(batch, seq_len)
-        h = model(x, layout)
+        x, y, h, layout = forward_windows(model, windows)
         loss = F.cross_entropy(model.compute_logits(h), y)
         total = loss
         if mtp_weight and len(model.mtp):
@@ -524,23 +527,23 @@ def main(argv: list[str] | None = None) -> None:
 
     sources = corpus.manifest()  # recorded with every export: what the model was trained on, under which licences
 
+    def last50(values: list[float], digits: int = 4) -> float:
+        return round(sum(values[-50:]) / max(1, len(values[-50:])), digits)
+
     def on_checkpoint(info: dict) -> None:
+        # every figure in eval mode: forwards in training mode would count towards the routers' next bias step
         val = evaluate(model, val_ids, max_tokens=2048)
+        recall = indexer_recall(model, torch.as_tensor(val_ids), 1024)
+        agreement = mtp_agreement(model, torch.as_tensor(val_ids))
         model.train()
         extra = {"step": info["step"], "tokens_seen": info["tokens_seen"], "train_seconds": round(info["seconds"]),
                  "seed": args.seed, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
                  "steps_planned": args.steps, "val_loss_2048": round(val, 4),
-                 "train_loss_last50": round(sum(info["losses"][-50:]) / max(1, len(info["losses"][-50:])), 4),
-                 "mtp_weight": args.mtp_weight, "balance_rate": args.balance_rate,
-                 "indexer_weight": args.indexer_weight,
-                 "indexer_loss_last50": round(sum(info["indexer_losses"][-50:])
-                                              / max(1, len(info["indexer_losses"][-50:])), 4),
-                 "indexer_recall_1k": round(indexer_recall(model, torch.as_tensor(val_ids), 1024), 4),
-                 "mtp_greedy_agreement": round(mtp_agreement(model, torch.as_tensor(val_ids)), 4),
-                 "mtp_loss_last50": round(sum(info["mtp_losses"][-50:]) / max(1, len(info["mtp_losses"][-50:])), 4),
-                 "load_imbalance_last50": round(sum(info["load_imbalance"][-50:])
-                                                / max(1, len(info["load_imbalance"][-50:])), 3),
-                 "corpus": sources}
+                 "train_loss_last50": last50(info["losses"]), "mtp_weight": args.mtp_weight,
+                 "balance_rate": args.balance_rate, "indexer_weight": args.indexer_weight,
+                 "indexer_loss_last50": last50(info["indexer_losses"]), "indexer_recall_1k": round(recall, 4),
+                 "mtp_greedy_agreement": round(agreement, 4), "mtp_loss_last50": last50(info["mtp_losses"]),
+                 "load_imbalance_last50": last50(info["load_imbalance"], 3), "corpus": sources}
         export_model(model, config, raw, tok_dir, args.out, extra=extra)
         print(f"\ncheckpoint step {info['step']}: val loss {val:.3f} (ppl {math.exp(val):.1f}) -> {args.out}",
               flush=True)

@@ -402,14 +402,6 @@ static int mx_shape_ok(const mx_matrix *w, int64_t K) {
            w->format >= MAT_BF16 && w->format <= MAT_E2M1 && w->act >= ACT_NONE && w->act <= ACT_EVEN;
 }
 
-/* Rows [r0, r1) of x (row stride ldx, K wide) quantised to MXFP8 by rule act into out [M, K] (mx_quantize_row). */
-static void quantize_rows(const bf16 *x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int act, bf16 *out) {
-    for (int64_t r = r0; r < r1; r++) {
-        memcpy(out + r * K, x + r * ldx, sizeof(bf16) * (size_t)K);
-        mx_quantize_row(out + r * K, K, act);
-    }
-}
-
 void mx_product(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matrix *w, int64_t N, bf16 *y,
                 int64_t ldy, int tiles, int nthreads) {
     mx_products(x, M, ldx, K, w, &N, 1, y, ldy, tiles, nthreads);
@@ -444,10 +436,11 @@ void mx_products(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matr
         float *acc = malloc(sizeof(float) * (size_t)(M * COL_BLOCK));
         bf16 *wd = scratch ? malloc(sizeof(bf16) * (size_t)scratch) : NULL;
         bf16 *mine = own_copy ? aligned_alloc(64, bytes) : NULL, *xq = own_copy ? mine : shared;
-        if (own_copy) quantize_rows(x, ldx, 0, M, K, act, mine);
+        if (own_copy)
+            for (int64_t r = 0; r < M; r++) mx_quantize_copy(x + r * ldx, K, act, mine + r * K);
         if (shared) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; r++) quantize_rows(x, ldx, r, r + 1, K, act, shared);
+            for (int64_t r = 0; r < M; r++) mx_quantize_copy(x + r * ldx, K, act, shared + r * K);
         } /* implicit barrier: every row of `shared` is written */
         const bf16 *in = xq ? xq : x;
         const int64_t ld = xq ? K : ldx;
@@ -457,7 +450,8 @@ void mx_products(const bf16 *x, int64_t M, int64_t ldx, int64_t K, const mx_matr
         for (int64_t item = 0; item < items; item++) {
             int i = 0;
             while (item >= first[i + 1]) i++;
-            int64_t b = item - first[i], n0 = b * COL_BLOCK, cols = widths[i] - n0 < COL_BLOCK ? widths[i] - n0 : COL_BLOCK;
+            int64_t b = item - first[i], n0 = b * COL_BLOCK;
+            int64_t cols = widths[i] - n0 < COL_BLOCK ? widths[i] - n0 : COL_BLOCK;
             rows_product(rows, in, ld, M, &ws[i], b, K, tiles, acc, wd);
             for (int64_t r = 0; r < M; r++) round_row(acc + r * COL_BLOCK, cols, y + r * ldy + at[i] + n0);
         }

@@ -52,6 +52,8 @@ int64_t mx_scale_bytes(int64_t format, int64_t N, int64_t K);
 mx_matrix mx_at(const mx_matrix *w, int64_t e, int64_t N, int64_t K);
 void mx_decode_pairs(const mx_matrix *w, int64_t b, int64_t p0, int64_t p1, int64_t K, bf16 *dst);
 void mx_quantize_row(bf16 *x, int64_t n, int act);
+/* mx.c: out [n] = x [n] quantised by rule act (mx_quantize_row; ACT_NONE: a copy). */
+void mx_quantize_copy(const bf16 *x, int64_t n, int act, bf16 *out);
 #if defined(__AVX512BW__)
 /* mx.c: group g (pairs 16 g .. 16 g + 15) of MX block b, columns 32 half .. 32 half + 31 only, decoded with their
  * scales: out [16][32][2] bf16 (tiles.c's two-row-tile product). */

@@ -349,12 +349,14 @@ static inline __attribute__((always_inline)) void few_rows_n(const bf16 *const *
                 for (int j = 0; j < 4; j++) part[i][j] = _mm512_dpbf16_ps(part[i][j], xb, (__m512bh)v[j]);
             }
         }
+        const uint8_t *gs = scales + g * COL_BLOCK;
         for (int j = 0; j < 4; j++) { /* 2^(s - 127) as fp32 bits s << 23 (s = 0 only where every code is 0) */
-            __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scales + g * COL_BLOCK + 16 * j)));
 #if defined(__AVX512VBMI__) /* the E2M1 sums' order: lane d, column 4d + j */
-            if (fp4)
-                s = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(scales + g * COL_BLOCK), 8 * j),
-                                     _mm512_set1_epi32(0xff));
+            __m512i s = fp4 ? _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(gs), 8 * j),
+                                               _mm512_set1_epi32(0xff))
+                            : _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(gs + 16 * j)));
+#else
+            __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(gs + 16 * j)));
 #endif
             __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(s, 23));
             for (int i = 0; i < NT; i++) {
@@ -653,7 +655,7 @@ static void quantize_blocks16(bf16 *x, int nb, int act) {
  * the scale from the block's amax, each element scaled by 2^-e in fp32, saturated to ±448, rounded to E4M3 and
  * multiplied back by 2^e in fp32 then rounded to bf16, as torch does it; a block holding NaN or ±Inf becomes NaN.
  * With AVX-512 BW 16 blocks at a time (quantize_blocks16): the quantiser runs on every input row of every W8A8
- * product, and from a few rows on it cost a 32-row product more than the weights' decoding did. */
+ * and W4A8 product. */
 void mx_quantize_row(bf16 *x, int64_t n, int act) {
     int64_t b = 0;
 #if defined(__AVX512BW__)
@@ -662,11 +664,13 @@ void mx_quantize_row(bf16 *x, int64_t n, int act) {
     for (; b < n; b += 32) quantize_block(x + b, act);
 }
 
+void mx_quantize_copy(const bf16 *x, int64_t n, int act, bf16 *out) {
+    memcpy(out, x, sizeof(bf16) * (size_t)n);
+    if (act != ACT_NONE) mx_quantize_row(out, n, act);
+}
+
 /* out [M, K] = mx_quantize_row of each row of x [M, K] (row stride ldx) under rule act (ACT_NONE: a copy). */
 void ds_mx_quantize_rows(const bf16 *x, int64_t M, int64_t K, int64_t ldx, int act, bf16 *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K >= (1 << 15))
-    for (int64_t i = 0; i < M; i++) {
-        memcpy(out + i * K, x + i * ldx, sizeof(bf16) * (size_t)K);
-        if (act != ACT_NONE) mx_quantize_row(out + i * K, K, act);
-    }
+    for (int64_t i = 0; i < M; i++) mx_quantize_copy(x + i * ldx, K, act, out + i * K);
 }
