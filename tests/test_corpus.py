@@ -60,3 +60,20 @@ def test_held_out_files_never_train(training):
     for rel, p in corpus.corpus_files():
         if corpus.is_validation(rel):
             assert corpus._read(p) not in trained, rel
+
+
+def test_second_held_out_set_is_cpython_tests_never_trained():
+    """The shipped second held-out text is whole files of CPython's test suite picked by their path's hash, and the
+    corpus never lists a file of that folder."""
+    import hashlib
+
+    shipped = corpus.test_suite_text()
+    heads = [line[2:] for line in shipped.splitlines() if line.startswith("# test/") and line.endswith(".py")]
+    assert len(heads) > 10
+    assert all(int(hashlib.sha1(h.encode()).hexdigest(), 16) % corpus.TEST_SUITE_BUCKETS == 0 for h in heads)
+    test_dir = corpus.stdlib_dir() / "test"
+    assert not any(p.is_relative_to(test_dir) for _, p in corpus.corpus_files())
+    for h in heads[:5]:  # each file whole, as the installed Python has it (when it has the file)
+        p = test_dir / h.removeprefix("test/")
+        if p.exists():
+            assert f"# {h}\n{corpus._read(p)}" in shipped

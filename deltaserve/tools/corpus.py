@@ -8,7 +8,8 @@ Deterministic: files are listed by path (stdlib files relative to the stdlib fol
 ``site-packages/<distribution>/<path>``) and sorted; which files are held out is decided by a hash of that path, so
 the split does not depend on the Python version. The held-out text of the standard library is written once into
 ``deltaserve/data/validation.txt`` and shipped, so tests measure on the same text whatever Python is installed;
-training always skips held-out files (by path). `manifest()` records each package's version, licence and size.
+training always skips held-out files (by path). A second held-out set, ``deltaserve/data/cpython_tests.txt``, is
+taken from CPython's own test suite, which the corpus never includes. `manifest()` records each package's version, licence and size.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 VALIDATION_PATH = DATA_DIR / "validation.txt"
+TEST_SUITE_PATH = DATA_DIR / "cpython_tests.txt"
 FILE_SEP = "\n\n"  # between documents: two blank lines, as between top-level definitions
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "testing", "idle_test", "lib2to3",
               "_vendor", "vendor", "vendored"}
 VAL_BUCKETS = 40  # a file is held out when hash(path) % VAL_BUCKETS == 0
 VAL_MAX_BYTES = 300_000
+TEST_SUITE_BUCKETS = 16  # a CPython test-suite file joins the second held-out set when hash(path) % 16 == 0
+TEST_SUITE_MAX_BYTES = 150_000
 
 # Pure-Python packages installed with the project (its runtime dependencies and theirs, and the venv's pip and
 # setuptools), each under a licence in ALLOWED_LICENCES; vendored copies of other projects (`_vendor`) are skipped.
@@ -158,6 +162,32 @@ def build_validation_text(root: Path | None = None, max_bytes: int = VAL_MAX_BYT
             parts.append(f"# {rel}\n{text}")
             size += n
     return FILE_SEP.join(parts)
+
+
+def build_test_suite_text(root: Path | None = None, max_bytes: int = TEST_SUITE_MAX_BYTES) -> str:
+    """The second held-out set: files of CPython's own test suite (the stdlib's ``test`` folder, which training
+    never reads) whose ``sha1(test/<path>) % TEST_SUITE_BUCKETS == 0``, tables excluded, whole files in path order,
+    up to ``max_bytes`` UTF-8 bytes of file text; each headed by ``# test/<path>``."""
+    folder = (root or stdlib_dir()) / "test"
+    parts, size = [], 0
+    for p in sorted(folder.rglob("*.py")):
+        rel = "test/" + p.relative_to(folder).as_posix()
+        if int(hashlib.sha1(rel.encode()).hexdigest(), 16) % TEST_SUITE_BUCKETS or "__pycache__" in rel:
+            continue
+        text = _read(p)
+        if not text or is_table(text):
+            continue
+        n = len((text + FILE_SEP).encode())
+        if size + n > max_bytes:
+            continue
+        parts.append(f"# {rel}\n{text}")
+        size += n
+    return FILE_SEP.join(parts)
+
+
+def test_suite_text() -> str:
+    """The shipped second held-out text (``deltaserve/data/cpython_tests.txt``)."""
+    return TEST_SUITE_PATH.read_text(encoding="utf-8")
 
 
 def validation_text() -> str:
