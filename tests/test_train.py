@@ -2,6 +2,7 @@
 and resume from a checkpoint exactly; the BPE trainer's export loads through the normal tokenizer path."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from deltaserve.tools import corpus
 from deltaserve.tools.presets import _TINY, k3_config, k3_text_config
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.moe import Router
-from deltaserve.tools.train import (IndexerInputs, LoadBalancer, attention_mass, build_model, evaluate, export_model,
-                                   indexer_loss, indexer_recall, mtp_agreement, mtp_loss, step_batch, train)
+from deltaserve.tools.train import (IndexerInputs, LoadBalancer, attention_mass, build_model, evaluate, expert_load,
+                                   export_model, indexer_loss, indexer_recall, mtp_agreement, mtp_loss, report,
+                                   step_batch, train)
 
 NUM_BPE = 4096 - 256  # the shipped tokenizer's size, so its ids feed the tiny model
 STEPS, BATCH, SEQ = 12, 2, 64  # SEQ > index_topk: DSA selection is active
@@ -213,3 +215,38 @@ def test_bpe_trainer_export_round_trips(tmp_path):
     assert tok.decode(ids) == text[:5000]
     assert len(ids) < 0.5 * len(text[:5000].encode())  # the merges actually compress
     assert tok.encode("[BOS]", allow_special=True) == [700]
+
+
+def test_expert_load_counts_what_the_routers_pick(tokens):
+    """expert_load's figures are max/mean of the top-k picks the main stack's routers make (an eval forward), one
+    per MoE layer of the main stack, and lie between 1 (even) and E / k (every token on the same k experts)."""
+    model, config = build_model(_tiny_config(), 0)
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    picks = {id(r): [] for r in routers}
+    hooks = [r.register_forward_hook(lambda r, i, o: picks[id(r)].append(o.experts)) for r in routers]
+    with torch.no_grad():
+        model.eval()
+        model(tokens[:3 * SEQ], step_batch(3, SEQ))
+    for hook in hooks:
+        hook.remove()
+    expected = []
+    for r in routers:
+        if picks[id(r)]:
+            load = torch.bincount(torch.cat(picks[id(r)]).reshape(-1), minlength=config.num_experts).float()
+            expected.append((load.max() / load.mean()).item())
+    figures = expert_load(model, tokens, seq_len=SEQ, windows=3)
+    assert figures == pytest.approx(expected) and len(figures) >= 2
+    assert all(1 <= f <= config.num_experts / config.num_experts_per_token for f in figures)
+
+
+def test_report_reads_a_model_folder(tokens, tmp_path):
+    model, config = build_model(_tiny_config(), 0)
+    train(model, tokens, steps=3, batch=BATCH, seq_len=SEQ, lr=1e-2, seed=0, warmup=1, progress=False)
+    out = export_model(model, config, _tiny_config(), default_model_path(), tmp_path / "m", dtype=torch.float32)
+    figures = report(out)
+    loaded = deltaserve.load_model(out, dtype="float32")
+    val = deltaserve.load_tokenizer(out).encode(corpus.validation_text())
+    assert figures["validation_ppl"] == pytest.approx(math.exp(evaluate(loaded, val, max_tokens=len(val))))
+    assert 1 < figures["cpython_tests_ppl"] < math.inf
+    assert 0 <= figures["mtp_greedy_agreement"] <= 1 and 0 < figures["indexer_recall_1k"] <= 1
+    assert len(figures["expert_load_max_over_mean"]) >= 2

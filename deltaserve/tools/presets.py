@@ -132,7 +132,7 @@ _SMALL = dict(hidden=1024, layers=16, heads=8, head_dim=128, q_lora=384, kv_lora
 _SMALL_BPE = 32000 - 256
 # The shipped default model (deltaserve/data/default_model), trained by deltaserve.tools.train on the stdlib.
 _STDLIB = dict(hidden=192, layers=6, heads=4, head_dim=64, q_lora=128, kv_lora=128, nope=32, rope=32, v=64,
-               dense_width=576, experts=16, top_k=2, shared=1, expert_width=256, latent=128, block=3, mtp=0,
+               dense_width=576, experts=16, top_k=2, shared=1, expert_width=256, latent=128, block=3, mtp=1,
                max_len=4096)
 _STDLIB_BPE = 4096 - 256
 _PRO = dict(hidden=7168, layers=93, heads=96, head_dim=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128,

@@ -236,6 +236,51 @@ def indexer_recall(model: torch.nn.Module, ids: torch.Tensor, context: int = 102
     return sum(shares) / max(1, len(shares))
 
 
+@torch.no_grad()
+def expert_load(model: torch.nn.Module, ids: torch.Tensor, seq_len: int = 256, windows: int = 16) -> list[float]:
+    """Each router's max/mean expert load (1 = even) over the first `windows` windows of `seq_len` tokens of `ids`:
+    how many of the tokens' top-k picks each expert got, as serving would route them."""
+    from ..layers.moe import Router
+
+    counts: dict[int, torch.Tensor] = {}
+
+    def count(router, _inputs, routing) -> None:
+        c = torch.bincount(routing.experts.reshape(-1), minlength=router.e_score_correction_bias.numel())
+        counts[id(router)] = counts.get(id(router), 0) + c
+
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    hooks = [r.register_forward_hook(count) for r in routers]
+    try:
+        model.eval()
+        x = ids[:windows * seq_len]
+        model(x, step_batch(len(x) // seq_len, seq_len))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [(counts[id(r)].max() / counts[id(r)].float().mean()).item() for r in routers if id(r) in counts]
+
+
+def report(model_dir: Path) -> dict:
+    """The shipped figures of a trained model folder, each from the model as it loads (fp32): perplexity over the
+    whole validation and CPython test-suite texts (windows of 256 tokens), the first MTP layer's agreement with
+    the greedy token (16 validation windows of 256), the lightning indexers' top-k recall of the attention mass at
+    a 1,024-token context (mean of 4 validation windows) and each router's max/mean expert load (16 windows)."""
+    from ..models.loader import load_model
+    from ..tokenizer import load_tokenizer
+    from . import corpus
+
+    model = load_model(model_dir, dtype="float32")
+    tok = load_tokenizer(model_dir)
+    val = torch.as_tensor(tok.encode(corpus.validation_text()))
+    tests = torch.as_tensor(tok.encode(corpus.test_suite_text()))
+    out = {"validation_ppl": math.exp(evaluate(model, val, max_tokens=len(val))),
+           "cpython_tests_ppl": math.exp(evaluate(model, tests, max_tokens=len(tests))),
+           "mtp_greedy_agreement": mtp_agreement(model, val, windows=16),
+           "indexer_recall_1k": sum(indexer_recall(model, val[i * 1024:], 1024) for i in range(4)) / 4,
+           "expert_load_max_over_mean": [round(v, 3) for v in expert_load(model, val)]}
+    return out
+
+
 class LoadBalancer:
     """Auxiliary-loss-free expert balancing (DeepSeek-V3): every router's top-k choices of a step are counted
     (a forward hook), and after the step each expert's correction bias moves by `rate` towards equal loads: up
@@ -486,9 +531,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="weight of the lightning indexers' KL to the attention mass (trains only them; 0: frozen)")
     ap.add_argument("--balance-rate", type=float, default=1e-3,
                     help="router correction-bias step per training step towards equal expert loads (0: frozen)")
-    ap.add_argument("--write-validation", action="store_true", help="(re)write deltaserve/data/validation.txt")
+    ap.add_argument("--report", type=Path, default=None, metavar="MODEL_DIR",
+                    help="print a trained model folder's figures (perplexities, MTP agreement, indexer recall, "
+                         "expert load) as JSON and exit")
+    ap.add_argument("--write-validation", action="store_true",
+                    help="(re)write deltaserve/data/validation.txt and deltaserve/data/cpython_tests.txt")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="take tiktoken.model and tokenizer_config.json from this model folder instead of learning "
+                         "BPE (keeps per-token perplexities comparable with that model's)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.report is not None:
+        print(json.dumps(report(args.report), indent=2))
+        return
 
     preset = get_preset(args.preset)
     raw = preset.config
@@ -496,7 +551,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_validation or not corpus.VALIDATION_PATH.exists():
         corpus.DATA_DIR.mkdir(parents=True, exist_ok=True)
         corpus.VALIDATION_PATH.write_text(corpus.build_validation_text(), encoding="utf-8")
+        corpus.TEST_SUITE_PATH.write_text(corpus.build_test_suite_text(), encoding="utf-8")
     tok_dir = args.work / "tokenizer"
+    if args.tokenizer is not None and not (tok_dir / "tiktoken.model").exists():
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("tiktoken.model", "tokenizer_config.json"):
+            shutil.copyfile(args.tokenizer / name, tok_dir / name)
     if not (tok_dir / "tiktoken.model").exists():
         t0 = time.time()
         docs = corpus.training_documents()
