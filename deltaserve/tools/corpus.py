@@ -147,33 +147,11 @@ def manifest() -> dict:
     return {"python": sysconfig.get_python_version(), "packages": packages}
 
 
-def build_validation_text(root: Path | None = None, max_bytes: int = VAL_MAX_BYTES) -> str:
-    """Held-out standard-library files (tables excluded) concatenated in path order, whole files only, up to
-    ``max_bytes`` UTF-8 bytes."""
+def _whole_files(files, max_bytes: int) -> str:
+    """The (relative path, path) `files` in their order, tables and unreadable files skipped, each whole and headed
+    by ``# <relative path>``, as long as their texts fit in ``max_bytes`` UTF-8 bytes."""
     parts, size = [], 0
-    for rel, p in stdlib_files(root):
-        if is_validation(rel):
-            text = _read(p)
-            if not text or is_table(text):
-                continue
-            n = len((text + FILE_SEP).encode())
-            if size + n > max_bytes:
-                continue
-            parts.append(f"# {rel}\n{text}")
-            size += n
-    return FILE_SEP.join(parts)
-
-
-def build_test_suite_text(root: Path | None = None, max_bytes: int = TEST_SUITE_MAX_BYTES) -> str:
-    """The second held-out set: files of CPython's own test suite (the stdlib's ``test`` folder, which training
-    never reads) whose ``sha1(test/<path>) % TEST_SUITE_BUCKETS == 0``, tables excluded, whole files in path order,
-    up to ``max_bytes`` UTF-8 bytes of file text; each headed by ``# test/<path>``."""
-    folder = (root or stdlib_dir()) / "test"
-    parts, size = [], 0
-    for p in sorted(folder.rglob("*.py")):
-        rel = "test/" + p.relative_to(folder).as_posix()
-        if int(hashlib.sha1(rel.encode()).hexdigest(), 16) % TEST_SUITE_BUCKETS or "__pycache__" in rel:
-            continue
+    for rel, p in files:
         text = _read(p)
         if not text or is_table(text):
             continue
@@ -183,6 +161,25 @@ def build_test_suite_text(root: Path | None = None, max_bytes: int = TEST_SUITE_
         parts.append(f"# {rel}\n{text}")
         size += n
     return FILE_SEP.join(parts)
+
+
+def build_validation_text(root: Path | None = None, max_bytes: int = VAL_MAX_BYTES) -> str:
+    """Held-out standard-library files (tables excluded) concatenated in path order, whole files only, up to
+    ``max_bytes`` UTF-8 bytes."""
+    return _whole_files([(rel, p) for rel, p in stdlib_files(root) if is_validation(rel)], max_bytes)
+
+
+def build_test_suite_text(root: Path | None = None, max_bytes: int = TEST_SUITE_MAX_BYTES) -> str:
+    """The second held-out set: files of CPython's own test suite (the stdlib's ``test`` folder, which training
+    never reads) whose ``sha1(test/<path>) % TEST_SUITE_BUCKETS == 0``, tables excluded, whole files in path order,
+    up to ``max_bytes`` UTF-8 bytes of file text; each headed by ``# test/<path>``."""
+    folder = (root or stdlib_dir()) / "test"
+    picked = []
+    for p in sorted(folder.rglob("*.py")):
+        rel = "test/" + p.relative_to(folder).as_posix()
+        if int(hashlib.sha1(rel.encode()).hexdigest(), 16) % TEST_SUITE_BUCKETS == 0 and "__pycache__" not in rel:
+            picked.append((rel, p))
+    return _whole_files(picked, max_bytes)
 
 
 def test_suite_text() -> str:
