@@ -273,12 +273,11 @@ def report(model_dir: Path) -> dict:
     tok = load_tokenizer(model_dir)
     val = torch.as_tensor(tok.encode(corpus.validation_text()))
     tests = torch.as_tensor(tok.encode(corpus.test_suite_text()))
-    out = {"validation_ppl": math.exp(evaluate(model, val, max_tokens=len(val))),
+    return {"validation_ppl": math.exp(evaluate(model, val, max_tokens=len(val))),
            "cpython_tests_ppl": math.exp(evaluate(model, tests, max_tokens=len(tests))),
            "mtp_greedy_agreement": mtp_agreement(model, val, windows=16),
            "indexer_recall_1k": sum(indexer_recall(model, val[i * 1024:], 1024) for i in range(4)) / 4,
            "expert_load_max_over_mean": [round(v, 3) for v in expert_load(model, val)]}
-    return out
 
 
 class LoadBalancer:
