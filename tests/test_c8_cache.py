@@ -42,7 +42,7 @@ def test_tokens_that_fit(kv):
                 block_size=16)
     fits = {}
     for name in ("auto", kv):
-        pages, _, _ = _size_pools(c, EngineArgs(kv_cache_dtype=name, **base), torch.bfloat16)
+        pages, _, _, _ = _size_pools(c, EngineArgs(kv_cache_dtype=name, **base), torch.bfloat16)
         fits[name] = pages.num_blocks * pages.block_size
     assert fits[kv] >= 1.7 * fits["auto"], fits
 

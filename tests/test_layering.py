@@ -18,7 +18,7 @@ RANKS = {
     "ops": 2,
     "layers": 3, "chat": 3,
     "models": 4, "cache": 4,
-    "backends": 5,
+    "backends": 5, "spec_decode": 5,
     "engine": 6,
     "server": 7,
     "tools": 8,

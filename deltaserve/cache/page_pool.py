@@ -31,7 +31,7 @@ from ..ops.qsfa import C8Latent, dequantize_latent, write_latent
 class PagePool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu", latent_8bit: torch.dtype | None = None,
-                 keys_8bit: torch.dtype | None = None):
+                 keys_8bit: torch.dtype | None = None, drafter_layers: tuple[int, ...] = ()):
         if num_blocks < 1:
             raise ValueError("the page pool needs at least one block")
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
@@ -39,7 +39,7 @@ class PagePool:
         r, rho = config.kv_lora_rank, config.qk_rope_head_dim
         self._storage: list[torch.Tensor] = []  # every page tensor, for copy_block
         self.latent: dict[int, torch.Tensor | C8Latent] = {}
-        for l in mla_cache_layers(config):
+        for l in mla_cache_layers(config, drafter_layers):
             if latent_8bit is None:
                 self.latent[l] = torch.zeros(num_blocks, block_size, r + rho, dtype=dtype, device=device)
                 self._storage.append(self.latent[l])
@@ -63,12 +63,12 @@ class PagePool:
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype, latent_8bit: torch.dtype | None = None,
-                        keys_8bit: torch.dtype | None = None) -> int:
+                        keys_8bit: torch.dtype | None = None, drafter_layers: tuple[int, ...] = ()) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         row = (c8_row_bytes(config, dtype) if latent_8bit is not None
                else itemsize * (config.kv_lora_rank + config.qk_rope_head_dim))
         key = config.index_head_dim + 4 if keys_8bit is not None else itemsize * config.index_head_dim
-        return len(mla_cache_layers(config)) * row + len(config.dsa_layers) * key
+        return len(mla_cache_layers(config, drafter_layers)) * row + len(config.dsa_layers) * key
 
     # ---- allocation ----
     @property
@@ -218,9 +218,10 @@ class PagePool:
                 raise AssertionError(f"page pool: refcounts {got} differ from holders {want}")
 
 
-def mla_cache_layers(config: ModelConfig) -> list[int]:
-    """Layers with a latent cache: the MLA/DSA layers of the main model (MTP layers join when drafting lands)."""
-    return config.mla_layers
+def mla_cache_layers(config: ModelConfig, drafter_layers: tuple[int, ...] = ()) -> list[int]:
+    """Layers with a latent cache: the MLA/DSA layers of the main model, then the MTP layers that draft
+    (`drafter_layers`, indices from num_layers on: docs/serving.md §9.5)."""
+    return [*config.mla_layers, *drafter_layers]
 
 
 C8_TILE = 128  # latent values per fp32 scale (docs/ops.md §9.1); a smaller latent rank uses one tile

@@ -1,6 +1,7 @@
 """PagedCache: the engine's `ModelCache`, backed by a PagePool and StateSlots. A sequence handle carries the
 request's state slot and the flat page rows of its positions 0..end-1 for this step, computed once per step by the
-runner and shared by every MLA/DSA layer (they all use the same block ids)."""
+runner and shared by every MLA/DSA layer (they all use the same block ids). KDA snapshots go to the prefix cache's
+checkpoints (an int slot) or, with speculative decoding, to the draft states (a `DraftSlot`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..layers.batch import ModelCache
+from ..layers.batch import DraftSlot, ModelCache
 from .page_pool import PagePool
 from .state_slots import StateSlots
 
@@ -19,8 +20,9 @@ class SeqHandle(NamedTuple):
 
 
 class PagedCache(ModelCache):
-    def __init__(self, pages: PagePool, states: StateSlots, checkpoints: StateSlots | None = None):
-        self.pages, self.states, self.checkpoints = pages, states, checkpoints
+    def __init__(self, pages: PagePool, states: StateSlots, checkpoints: StateSlots | None = None,
+                 drafts: StateSlots | None = None):
+        self.pages, self.states, self.checkpoints, self.drafts = pages, states, checkpoints, drafts
 
     def handle(self, block_table: list[int], slot: int, end: int) -> SeqHandle:
         return SeqHandle(slot, self.pages.slots(block_table, 0, end))
@@ -36,8 +38,12 @@ class PagedCache(ModelCache):
         i = self.states.layer_index[layer]
         return self.states.conv[:, i], self.states.recurrent[:, i]
 
-    def save_kda_checkpoint(self, layer: int, checkpoint: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        saved_conv, saved_rec = self.checkpoints.state(layer, checkpoint)
+    def save_kda_checkpoint(self, layer: int, checkpoint: int | DraftSlot, conv: torch.Tensor,
+                            recurrent: torch.Tensor) -> None:
+        if isinstance(checkpoint, DraftSlot):
+            saved_conv, saved_rec = self.drafts.state(layer, checkpoint.slot)
+        else:
+            saved_conv, saved_rec = self.checkpoints.state(layer, checkpoint)
         saved_conv.copy_(conv)
         saved_rec.copy_(recurrent)
 

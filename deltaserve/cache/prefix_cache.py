@@ -35,6 +35,7 @@ class Request(Protocol):
     block_hashes: list[bytes]
     state_slot: int | None
     num_computed_tokens: int
+    num_drafter_tokens: int
     num_cached_tokens: int
     num_registered_blocks: int
     prefix_match: int
@@ -109,15 +110,16 @@ class PrefixCache:
         h = req.block_hashes[c // self.block_size - 1]
         self._ckpt.move_to_end(h)
         self.checkpoints.copy_to(self._ckpt[h], self.states, req.state_slot)
-        req.num_computed_tokens = c
+        req.num_computed_tokens = req.num_drafter_tokens = c  # a drafter's rows live in the shared pages too
         req.num_cached_tokens = min(c, req.prompt_len)
 
     # ---- checkpoints ----
     def plan_snapshots(self, req: Request, num_new: int) -> list[tuple[int, int]]:
         """Checkpoint slots to fill while computing tokens start..start+num_new-1 of the request: at the last
         TAIL_CHECKPOINTS interval boundaries the chunk crosses and at its branch point, unless that prefix already
-        has one. Returns (offset within the chunk, checkpoint slot), offsets ascending."""
-        start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+        has one; never past the request's known tokens (a speculative draft is not part of any prefix yet). Returns
+        (offset within the chunk, checkpoint slot), offsets ascending."""
+        start, end = req.num_computed_tokens, min(req.num_computed_tokens + num_new, req.num_tokens)
         last = end // self.interval * self.interval
         wanted = {last - k * self.interval for k in range(TAIL_CHECKPOINTS)} | {req.prefix_match}
         hashes = self.block_hashes(req)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..errors import ConfigError
+from ..spec_decode import SpeculativeConfig
 from .faults import FaultInjector
 
 QUANTIZATIONS = ("w8a8-mxfp8", "w4a8-mxfp4", "mxfp")  # the schemes of layers/quantized.py
@@ -85,6 +86,9 @@ class EngineArgs:
     backend: str = "auto"  # "torch", "native", or "auto": native where the kernels suit the CPU (backends/select.py)
     quantization: str | None = None  # MX weights at load: "w8a8-mxfp8", "w4a8-mxfp4", "mxfp" (layers/quantized.py)
     seed: int = 0
+    # Speculative decoding: vLLM's JSON object (method, num_speculative_tokens, ...; spec_decode/config.py), as text
+    # or a dict; None = off. Parsed into `speculative`.
+    speculative_config: str | dict | None = None
     # Tests only: "PHASE:TOKEN_ID,..." raises inside that step phase for requests whose prompt holds the token
     # (engine/faults.py). None (the default) builds no injector and costs nothing.
     fault_injection: str | None = None
@@ -118,6 +122,7 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
         FaultInjector.parse(self.fault_injection)  # a malformed spec fails here, not in the engine process
 
     def latent_cache_8bit(self) -> torch.dtype | None:
@@ -178,6 +183,9 @@ class EngineArgs:
                                  "(default: none)")
         parser.add_argument("--seed", type=int, default=d.seed,
                             help="seeds the generator that requests without a seed draw from")
+        parser.add_argument("--speculative-config", default=None,
+                            help='speculative decoding as a JSON object, vLLM\'s keys: e.g. \'{"method": "suffix", '
+                                 '"num_speculative_tokens": 4}\' (default: off)')
         parser.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests: engine/faults.py
 
     @classmethod

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -21,6 +22,8 @@ from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
 from ..errors import ConfigError, DeltaserveError
 from ..backends.select import select_backend
+from ..spec_decode import DraftRequest, SpecDecodeStats, TargetStep, build_proposer
+from ..models.dspark import load_drafter
 from ..models.loader import DTYPES, load_config, load_model
 from ..tokenizer import load_tokenizer
 from .config import EngineArgs, resolve_dtype
@@ -28,7 +31,7 @@ from .faults import FaultInjector, InjectedFault, RequestFailure, RequestFault, 
 from .grammar import Grammars
 from .heap import keep_freed_memory
 from .request import Request, RequestStatus
-from .runner import ModelRunner
+from .runner import ForwardOutput, ModelRunner
 from .sampler import SampleOutput, Sampler, SamplingState, TokenLogprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler, StepPlan
@@ -58,6 +61,14 @@ class CoreOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+class SampledRows(NamedTuple):
+    """The logits rows a request samples from this step: `count` rows from `first` (1, or 1 + its drafts)."""
+
+    request: Request
+    first: int
+    count: int
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs, model_path: Path):
         self.args, self.model_path = args, model_path
@@ -73,23 +84,36 @@ class EngineCore:
         self.backend_prepared = self.backend.prepare(self.model)
         log.info("backend %s (%s): %s", self.backend.name, self.backend.reason, self.backend_prepared)
         config = self.config = self.model.config
-        self.pages, self.states, self.checkpoints = _size_pools(config, args, DTYPES[self.dtype.name])
+        tokenizer = load_tokenizer(model_path)
+        self.eos_ids = set(tokenizer.stop_token_ids(config.eos_token_ids))
+        self.grammars = Grammars(tokenizer, config.vocab_size, self.eos_ids, num_threads=torch.get_num_threads())
+        self.sampler = Sampler(seed=args.seed, grammars=self.grammars)
+        self.spec = spec = args.speculative
+        k = spec.num_speculative_tokens if spec is not None else 0
+        self.drafter = _drafter(spec, self.model, model_path, DTYPES[self.dtype.name])
+        self.pages, self.states, self.checkpoints, self.drafts = _size_pools(config, args, DTYPES[self.dtype.name],
+                                                                             self.drafter)
         self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)
         self.prefix = (PrefixCache(self.pages, self.states, self.checkpoints, args.state_checkpoint_interval,
                                    str(model_path.resolve())) if self.checkpoints is not None else None)
+        cache = PagedCache(self.pages, self.states, self.checkpoints, self.drafts)
+        self.proposer = (build_proposer(spec, self.model, cache, self.backend.ops, self.drafter, config.num_layers,
+                                        self.sampler.default_generator()) if spec is not None else None)
+        if self.proposer is not None:
+            log.info("speculative decoding: %s, up to %d drafts a step", spec.method, k)
         self.scheduler = Scheduler(self.pages, self.states, min(args.max_num_seqs, self.states.num_slots),
-                                   args.max_num_batched_tokens, args.enable_chunked_prefill, self.prefix)
+                                   args.max_num_batched_tokens, args.enable_chunked_prefill, self.prefix,
+                                   k if self.drafts is not None else 0,
+                                   k if spec is not None and spec.method == "mtp" else 0, self.max_model_len)
+        self.spec_stats = SpecDecodeStats(k)
         self.timer = StepTimer()
         # Optional observer of each step's sampled rows: (requests, fp32 logits [rows, vocab]) before sampling.
         # Used by `bench quant` to compare distributions; None costs nothing.
         self.logits_observer: Callable[[list[Request], torch.Tensor], None] | None = None
         self.faults = FaultInjector.parse(args.fault_injection)
-        self.runner = ModelRunner(self.model, PagedCache(self.pages, self.states, self.checkpoints), self.backend,
-                                  self.timer, self.faults)
-        tokenizer = load_tokenizer(model_path)
-        self.eos_ids = set(tokenizer.stop_token_ids(config.eos_token_ids))
-        self.grammars = Grammars(tokenizer, config.vocab_size, self.eos_ids, num_threads=torch.get_num_threads())
-        self.sampler = Sampler(seed=args.seed, grammars=self.grammars)
+        self.runner = ModelRunner(self.model, cache, self.backend, self.timer, self.faults,
+                                  keep_hidden=self.proposer is not None and self.proposer.reads_hidden)
+        self._pending_copies: list[tuple[int, int]] = []  # (source, destination) pages of this step's forks
         self._requests: dict[str, list[Request]] = {}
         self._n: dict[str, tuple[SamplingParams, int, str | None]] = {}  # params, max_tokens, grammar text
         self._failures: dict[str, RequestFailure] = {}
@@ -206,35 +230,142 @@ class EngineCore:
                 plan = self._without_failed(plan)
                 if not plan.chunks:
                     return []
+        num_rows = fwd.num_rows or [1] * len(fwd.sampled)
         if self.logits_observer is not None:
-            self.logits_observer(fwd.sampled, fwd.logits)
+            self.logits_observer([r for r, k in zip(fwd.sampled, num_rows) for _ in range(k)], fwd.logits)
         with timer.phase("update"):
             for req, reports in fwd.prompt_logprobs:
                 req.prompt_logprobs += reports
+            starts = [req.num_computed_tokens for req, _ in plan.chunks]
             for req, n in plan.chunks:
-                req.num_computed_tokens += n
+                req.num_computed_tokens += n - len(req.spec_token_ids)  # drafts count once accepted
             if self.prefix is not None:
                 self.prefix.commit([c.request for c in plan.chunks])
-            rows, reqs = self._fork_siblings(fwd.sampled)
+            rows = self._fork_siblings(fwd, num_rows)
         with timer.phase("sample"):
-            # without forked siblings the rows are the logits' own order: no gathered copy ([32, vocab] fp32: ~2 ms)
-            logits = fwd.logits if rows == list(range(fwd.logits.shape[0])) else fwd.logits[rows]
-            sample = self._sample(logits, reqs)
+            # every row at once, but a verify step's rows whose sampling reads the tokens before them (row by row)
+            batched = [r for r in rows
+                       if r.count == 1 or (_history_free(r.request) and not _drafts_with_probs(r.request))]
+            drawn = {}
+            if batched:
+                sample = self._sample(_take_rows(fwd.logits, batched),
+                                      [r.request for r in batched for _ in range(r.count)])
+                pairs = iter(zip(sample.token_ids, sample.logprobs))
+                drawn = {r.request: [next(pairs) for _ in range(r.count)] for r in batched}
         with timer.phase("update"):
             outputs = []
-            for req, token, logprob in zip(reqs, sample.token_ids, sample.logprobs):
-                if req.request_id in self._failures:
+            for r in rows:
+                if r.request.request_id in self._failures:
                     continue  # failed while sampling, or a sibling failed: its completions are already freed
-                try:
-                    if self.faults is not None:
-                        self.faults.check("output", req.request_id, req.prompt_ids)
-                    outputs.append(self._append_token(req, token, logprob))
-                except Exception as exc:  # noqa: BLE001 — this request's bookkeeping: fail it alone
-                    self._fail(req.request_id, "output", exc)
+                outputs += self._emit(r, drawn.get(r.request), fwd.logits)
             outputs = [o for o in outputs if o.request_id not in self._failures]
             for rid in {o.request_id for o in outputs if o.finish_reason}:
                 self._forget_if_done(rid)
+        with timer.phase("propose"):
+            try:
+                drafting = self.proposer is not None and self._catch_up(plan, starts, fwd.hidden)
+            finally:
+                for src, dst in self._pending_copies:  # after the drafter wrote its rows of the parent's last page
+                    self.pages.copy_block(src, dst)
+                self._pending_copies.clear()
+            if drafting:
+                self._propose(rows)
         return outputs
+
+    def _catch_up(self, plan: StepPlan, starts: list[int], hidden: torch.Tensor | None) -> bool:
+        """Let the proposer bring its own cache rows up to every scheduled request's newest token; False when it
+        failed (the step's requests then decode on without drafts)."""
+        first, chunks = 0, []
+        for (req, n), start in zip(plan.chunks, starts):
+            if req.request_id not in self._failures:
+                chunks.append((req, start, n, first))
+            first += n
+        try:
+            self.proposer.catch_up(TargetStep(hidden, chunks))
+        except Exception:  # noqa: BLE001 — drafts only ever save time
+            log.exception("the %s proposer failed; this step's requests decode on without drafts", self.spec.method)
+            return False
+        return True
+
+    def _emit(self, rows: SampledRows, drawn: list[tuple[int, TokenLogprobs | None]] | None,
+              logits: torch.Tensor) -> list[CoreOutput]:
+        """Append the request's tokens: its one sampled token, or on a verify step the tokens its sampler gives row
+        by row while each equals the draft its row was computed after (docs/serving.md §9.2: the drafts carry no
+        probabilities, so a draft is kept exactly when the sampler picks it, and the first token that differs is the
+        sampler's own). `drawn` holds the rows sampled at once, None when each row is sampled after the previous
+        token is appended (penalties, min_tokens or a grammar read the tokens so far)."""
+        req = rows.request
+        drafts = list(req.spec_token_ids)
+        probs = req.spec_token_probs if _drafts_with_probs(req) else None
+        outputs = []
+        for i in range(rows.count):
+            row = logits[rows.first + i:rows.first + i + 1]
+            if drawn is not None:
+                token, logprob = drawn[i]
+            elif probs is not None and i < len(drafts):
+                try:
+                    token, logprob = self.sampler.verify_draft(row, req.sampling, drafts[i], probs[i])
+                except Exception as exc:  # noqa: BLE001 — this row's request fails alone
+                    self._fail(req.request_id, "sample", exc)
+                    break
+            else:
+                one = self._sample(row, [req])
+                token, logprob = one.token_ids[0], one.logprobs[0]
+            if req.request_id in self._failures:
+                break
+            try:
+                if self.faults is not None:
+                    self.faults.check("output", req.request_id, req.prompt_ids)
+                out = self._append_token(req, token, logprob)
+            except Exception as exc:  # noqa: BLE001 — this request's bookkeeping: fail it alone
+                self._fail(req.request_id, "output", exc)
+                break
+            outputs.append(out)
+            if out.finish_reason or i == len(drafts) or token != drafts[i]:
+                break
+        if drafts:
+            self._settle_drafts(req, len(drafts), max(len(outputs) - 1, 0))
+        return outputs
+
+    def _settle_drafts(self, req: Request, drafted: int, accepted: int) -> None:
+        """Count the first `accepted` drafts as computed and put the KDA state of a request that goes on back to the
+        one after them: the snapshot its verify step took there, unless every draft was kept (then the state the step
+        ended with is the one)."""
+        self.spec_stats.record(drafted, accepted)
+        req.spec_token_ids.clear()
+        req.spec_token_probs = None
+        if req.is_finished or req.request_id in self._failures:
+            return
+        req.num_computed_tokens += accepted
+        if accepted < drafted and self.drafts is not None:
+            self.drafts.copy_to(req.state_slot * self.spec.num_speculative_tokens + accepted, self.states,
+                                req.state_slot)
+
+    def _propose(self, rows: list[SampledRows]) -> None:
+        """Drafts for the requests that got tokens this step and decode on: at most num_speculative_tokens, leaving
+        room for the token the verify step adds (max_tokens) and inside max_model_len. Finished ones are handed to
+        the proposer's finish."""
+        k = self.spec.num_speculative_tokens
+        wanted = []
+        for r in rows:
+            req = r.request
+            if req.request_id in self._failures:
+                continue
+            if req.is_finished:
+                self.proposer.finish(req, req.output_ids)
+                continue
+            room = min(k, req.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens)
+            if req.num_computed_tokens == req.num_tokens - 1:
+                wanted.append(DraftRequest(req, max(room, 0)))
+        try:
+            proposed = self.proposer.propose(wanted)
+        except Exception:  # noqa: BLE001 — drafts only ever save time: decode on without them
+            log.exception("the %s proposer failed; this step's requests decode on without drafts", self.spec.method)
+            return
+        for want, proposal in zip(wanted, proposed):
+            want.seq.spec_token_ids = proposal.tokens[:want.room]
+            probs = proposal.probs
+            want.seq.spec_token_probs = probs[:len(want.seq.spec_token_ids)] if probs is not None else None
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleOutput:
         """Sample the batch at once; if that fails, row by row, so only the requests whose rows fail are failed
@@ -279,7 +410,8 @@ class EngineCore:
         if len(keep) == len(plan.chunks):
             return plan
         if self.prefix is not None:
-            dropped = {slot for i, snaps in enumerate(plan.snapshots) if i not in keep for _, slot in snaps}
+            dropped = {slot for i, snaps in enumerate(plan.snapshots) if i not in keep for _, slot in snaps
+                       if isinstance(slot, int)}  # prefix-cache checkpoints (draft states are the request's own)
             self.prefix.drop_pending(dropped)
         return StepPlan([plan.chunks[i] for i in keep], [plan.snapshots[i] for i in keep] if plan.snapshots else [])
 
@@ -325,21 +457,24 @@ class EngineCore:
         return CoreOutput(req.request_id, req.index, token, logprob, req.finish_reason, stop_reason, req.prompt_len,
                           req.num_cached_tokens, scored)
 
-    def _fork_siblings(self, sampled: list[Request]) -> tuple[list[int], list[Request]]:
-        """n > 1: once a prompt is computed, the other n - 1 samples share its pages and copy its KDA state, and all
-        draw their first token from the same logits row."""
-        rows, reqs = [], []
-        for row, req in enumerate(sampled):
-            rows.append(row)
-            reqs.append(req)
+    def _fork_siblings(self, fwd: ForwardOutput, num_rows: list[int]) -> list[SampledRows]:
+        """The rows each request samples from, in logits order. n > 1: once a prompt is computed, the other n - 1
+        samples share its pages and copy its KDA state, and all draw their first token from the same logits row."""
+        rows: list[SampledRows] = []
+        first = 0
+        for req, count in zip(fwd.sampled, num_rows):
+            rows.append(SampledRows(req, first, count))
             while req.siblings_pending:
                 child = self._next_sibling(req)
                 if self._share_prefix(req, child):
-                    rows.append(row)
-                    reqs.append(child)
+                    rows.append(SampledRows(child, first, 1))
+                    if fwd.hidden is not None:  # the drafter's next row of the child reads the prompt's last state
+                        state = fwd.hidden[fwd.sample_rows[first + count - 1]]
+                        child.drafter_hidden = (req.num_computed_tokens - 1, state.clone())
                 else:
                     self.scheduler.add(child)  # no room to fork now: it computes the prompt itself later
-        return rows, reqs
+            first += count
+        return rows
 
     def _next_sibling(self, req: Request) -> Request:
         params, max_tokens, grammar = self._n[req.request_id]
@@ -355,20 +490,24 @@ class EngineCore:
             self.scheduler.add(self._next_sibling(req))
 
     def _share_prefix(self, parent: Request, child: Request) -> bool:
+        """Start `child` where `parent` is: the full pages of its computed tokens shared, the page being written
+        copied (at the end of the step, after the drafter's rows: `_pending_copies`), the KDA state copied. Pages
+        the parent holds past its computed tokens (the drafter's lookahead) are its own."""
         pages, states = self.pages, self.states
-        partial = parent.num_computed_tokens % pages.block_size != 0
+        num_full, partial = divmod(parent.num_computed_tokens, pages.block_size)
+        partial = partial != 0
         if not self.scheduler.can_fork(parent) or not states.can_allocate() or not pages.can_allocate(int(partial)):
             return False
         child.state_slot = states.allocate()
         states.copy(parent.state_slot, child.state_slot)
-        full = parent.block_ids[:-1] if partial else list(parent.block_ids)
+        full = parent.block_ids[:num_full]
         pages.share(full)
-        child.block_ids = full
+        child.block_ids = list(full)
         if partial:  # the last page is still being written: copy it so both can append
             (block,) = pages.allocate(1)
-            pages.copy_block(parent.block_ids[-1], block)
-            child.block_ids = full + [block]
-        child.num_computed_tokens = parent.num_computed_tokens
+            self._pending_copies.append((parent.block_ids[num_full], block))
+            child.block_ids.append(block)
+        child.num_computed_tokens = child.num_drafter_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = RequestStatus.RUNNING
         self.scheduler.running.append(child)
@@ -387,7 +526,8 @@ class EngineCore:
                 "state_slot_usage": 1 - self.states.num_free / self.states.num_slots,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": self.prefix.num_queries if self.prefix else 0,
-                "prefix_cache_hits": self.prefix.num_hit_tokens if self.prefix else 0}
+                "prefix_cache_hits": self.prefix.num_hit_tokens if self.prefix else 0,
+                **(self.spec_stats.as_dict() if self.spec is not None else {})}
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -396,7 +536,8 @@ class EngineCore:
         """What was loaded and how the pools were sized (the server's start-up banner)."""
         args, config = self.args, self.config
         latent, keys = args.latent_cache_8bit(), args.index_cache_8bit() if config.has_dsa else None
-        page_bytes = PagePool.bytes_per_token(config, DTYPES[self.dtype.name], latent, keys) * args.block_size
+        page_bytes = (PagePool.bytes_per_token(config, DTYPES[self.dtype.name], latent, keys,
+                                               _drafter_layers(config, self.spec, self.drafter)) * args.block_size)
         return EngineSummary(
             model_path=str(self.model_path), family=config.family,
             architecture=config.architectures[0] if config.architectures else "", layers=layer_mix(config),
@@ -412,6 +553,26 @@ class EngineCore:
             state_slot_bytes=StateSlots.bytes_per_slot(config), max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             prefix_caching=self.prefix is not None)
+
+
+def _history_free(req: Request) -> bool:
+    """Whether the sampler treats each of the request's rows alike whatever tokens come before it (no grammar,
+    penalty or min_tokens mask reads them), so a verify step's rows can be sampled at once."""
+    p = req.params
+    return (req.sampling.grammar is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_tokens)
+
+
+def _drafts_with_probs(req: Request) -> bool:
+    """Drafts drawn from a distribution for a random request: verified by rejection sampling, row by row."""
+    return req.spec_token_probs is not None and not req.params.greedy
+
+
+def _take_rows(logits: torch.Tensor, rows: list[SampledRows]) -> torch.Tensor:
+    """The logits rows of `rows`, in order: the tensor itself when that is every row as it lies (no gathered copy
+    of [batch, vocab] fp32)."""
+    index = [r.first + i for r in rows for i in range(r.count)]
+    return logits if index == list(range(logits.shape[0])) else logits[index]
 
 
 def _resolve_max_model_len(args: EngineArgs, config, pool_tokens: int) -> int:
@@ -432,17 +593,22 @@ def _resolve_max_model_len(args: EngineArgs, config, pool_tokens: int) -> int:
     return min(limit, pool_tokens)
 
 
-def _size_pools(config, args: EngineArgs, dtype: torch.dtype) -> tuple[PagePool, StateSlots, StateSlots | None]:
-    """Split the budget: KDA working slots for max_num_seqs first, then (with prefix caching) the state checkpoints,
-    then pages with the rest."""
+def _size_pools(config, args: EngineArgs, dtype: torch.dtype,
+                drafter=None) -> tuple[PagePool, StateSlots, StateSlots | None, StateSlots | None]:
+    """Split the budget: KDA working slots for max_num_seqs first (with speculative decoding each with its
+    num_speculative_tokens draft states), then (with prefix caching) the state checkpoints, then pages with the
+    rest. Returns (pages, working slots, checkpoints or None, draft states or None)."""
     budget = args.kv_cache_memory_bytes
     slot_bytes = StateSlots.bytes_per_slot(config)
     latent_8bit, keys_8bit = args.latent_cache_8bit(), args.index_cache_8bit() if config.has_dsa else None
-    block_bytes = PagePool.bytes_per_token(config, dtype, latent_8bit, keys_8bit) * args.block_size
-    num_slots = args.max_num_seqs if slot_bytes == 0 else min(args.max_num_seqs, budget // slot_bytes)
+    drafter_layers = _drafter_layers(config, args.speculative, drafter)
+    block_bytes = PagePool.bytes_per_token(config, dtype, latent_8bit, keys_8bit, drafter_layers) * args.block_size
+    k = args.speculative.num_speculative_tokens if args.speculative is not None and slot_bytes else 0
+    seq_bytes = slot_bytes * (1 + k)
+    num_slots = args.max_num_seqs if slot_bytes == 0 else min(args.max_num_seqs, budget // seq_bytes)
     num_ckpt = 0
     if args.enable_prefix_caching:
-        room = (budget - num_slots * slot_bytes) // slot_bytes if slot_bytes else 4 * args.max_num_seqs
+        room = (budget - num_slots * seq_bytes) // slot_bytes if slot_bytes else 4 * args.max_num_seqs
         if args.max_state_checkpoints is not None and args.max_state_checkpoints > room:
             raise ConfigError(f"max_state_checkpoints {args.max_state_checkpoints} does not fit kv_cache_memory "
                               f"after {num_slots} working slots (room for {room})")
@@ -450,15 +616,32 @@ def _size_pools(config, args: EngineArgs, dtype: torch.dtype) -> tuple[PagePool,
         num_ckpt = args.max_state_checkpoints or default
         if num_ckpt == 0:
             log.warning("prefix caching is off: kv_cache_memory leaves no room for a KDA state checkpoint")
-    num_blocks = (budget - (num_slots + num_ckpt) * slot_bytes) // max(block_bytes, 1)
+    num_blocks = (budget - num_slots * seq_bytes - num_ckpt * slot_bytes) // max(block_bytes, 1)
     if num_slots < 1 or num_blocks < 1:
-        raise ConfigError(f"kv_cache_memory of {budget} bytes is too small: one KDA state slot needs {slot_bytes} "
-                          f"bytes ({num_ckpt} prefix-cache checkpoints need as many) and one page of "
-                          f"{args.block_size} tokens needs {block_bytes} bytes")
-    log.info("cache memory: %d KDA working slots + %d state checkpoints (%d B each), %d pages of %d tokens = %d "
-             "tokens (%d B per token)", num_slots, num_ckpt, slot_bytes, num_blocks, args.block_size,
-             num_blocks * args.block_size, block_bytes // args.block_size)
+        raise ConfigError(f"kv_cache_memory of {budget} bytes is too small: one sequence's KDA state slots need "
+                          f"{seq_bytes} bytes ({num_ckpt} prefix-cache checkpoints need {slot_bytes} each) and one "
+                          f"page of {args.block_size} tokens needs {block_bytes} bytes")
+    log.info("cache memory: %d KDA working slots (+%d draft states each) + %d state checkpoints (%d B each), %d "
+             "pages of %d tokens = %d tokens (%d B per token)", num_slots, k, num_ckpt, slot_bytes, num_blocks,
+             args.block_size, num_blocks * args.block_size, block_bytes // args.block_size)
     checkpoints = StateSlots(config, num_ckpt) if num_ckpt else None
-    return (PagePool(config, num_blocks, args.block_size, dtype, latent_8bit=latent_8bit, keys_8bit=keys_8bit),
-            StateSlots(config, num_slots),
-            checkpoints)
+    drafts = StateSlots(config, num_slots * k) if k else None
+    return (PagePool(config, num_blocks, args.block_size, dtype, latent_8bit=latent_8bit, keys_8bit=keys_8bit,
+                     drafter_layers=drafter_layers), StateSlots(config, num_slots), checkpoints, drafts)
+
+
+def _drafter(spec, model, model_path: Path, dtype: torch.dtype):
+    """The DSpark drafter `spec` names (None for other methods); a ConfigError for MTP drafting without MTP layers."""
+    if spec is not None and spec.method == "mtp" and not model.mtp_available:
+        raise ConfigError(f"speculative_config method 'mtp': {model_path} has no MTP layers "
+                          f"(num_nextn_predict_layers is {model.config.num_nextn_predict_layers})")
+    return load_drafter(spec.model, model.config, dtype) if spec is not None and spec.method == "dspark" else None
+
+
+def _drafter_layers(config, spec, drafter=None) -> tuple[int, ...]:
+    """Latent-cache layers a drafter adds to the page pool, numbered from the target's num_layers: the first MTP
+    layer's, or one per DSpark drafter layer."""
+    if spec is None or spec.method == "suffix":
+        return ()
+    count = 1 if spec.method == "mtp" else drafter.config.num_hidden_layers
+    return tuple(range(config.num_layers, config.num_layers + count))

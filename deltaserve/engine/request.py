@@ -25,7 +25,8 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     """A sequence being generated. Invariant: 0 <= num_computed_tokens <= num_tokens; every computed token has a
-    page row in `block_ids`; a RUNNING request holds exactly one state slot."""
+    page row in `block_ids`; a RUNNING request holds exactly one state slot; drafts (`spec_token_ids`) only follow a
+    request whose every token but the newest is computed."""
 
     request_id: str
     prompt_ids: list[int]
@@ -47,6 +48,15 @@ class Request:
     prefix_match: int = 0  # cached pages found at admission (interval-aligned): a branch point worth a checkpoint
     siblings_pending: int = 0  # n - 1 completions still to fork from this request once its prompt is computed
     num_preemptions: int = 0
+    # Speculative decoding: tokens drafted to follow the newest one, verified by the next step that computes it
+    # (docs/serving.md §9); empty when not decoding or when the proposer had none.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_probs: Any = None  # [drafts, vocab] the distribution each draft was drawn from; None: one-hot drafts
+    # A drafter with its own cache (MTP): its rows computed so far (positions 0..num_drafter_tokens - 1), and the
+    # target's state at one position it will need that no step of this request computes (a fork's parent's), as
+    # (position, [d] tensor) or None.
+    num_drafter_tokens: int = 0
+    drafter_hidden: Any = None
     # With params.prompt_logprobs (first completion only): the report of each prompt token computed so far, None
     # for the first token; filled chunk by chunk and sent with the first output token.
     prompt_logprobs: list | None = None
@@ -65,6 +75,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens the next step may compute for it: the known ones not yet computed, then its drafts."""
+        return self.num_tokens - self.num_computed_tokens + len(self.spec_token_ids)
 
     @property
     def prompt_len(self) -> int:

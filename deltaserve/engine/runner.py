@@ -1,6 +1,7 @@
 """ModelRunner: turns a StepPlan into one StepBatch, runs the model once over the flattened tokens of every
-scheduled request, and returns fp32 logits for the requests whose last scheduled token is their newest token, and
-the prompt logprobs of the prompt rows of requests that asked for them.
+scheduled request, and returns fp32 logits for the requests whose last scheduled token is their newest token (with
+speculative drafts: the newest token's row and every draft's, docs/serving.md §9.1), and the prompt logprobs of the
+prompt rows of requests that asked for them.
 
 Failures while building one request's rows raise RequestFault naming it (nothing has been computed yet, so the core
 can drop that request and run the others); a failure inside the model call belongs to the whole batch."""
@@ -37,29 +38,37 @@ class PromptRows(NamedTuple):
 
 class ForwardOutput(NamedTuple):
     sampled: list[Request]  # requests that get a new token this step, in row order of `logits`
-    logits: torch.Tensor  # [len(sampled), vocab] fp32
+    logits: torch.Tensor  # [sum(num_rows), vocab] fp32
     prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]] = []  # reports of prompt tokens scored this step
+    # rows of `logits` per sampled request: 1, or 1 + its drafts on a verify step (the newest token's row, then
+    # one per draft); [] means one row each
+    num_rows: list[int] = []
+    hidden: torch.Tensor | None = None  # [N, d] every row's pre-norm final state, when the runner keeps them
+    sample_rows: list[int] = []  # the row of `hidden` each row of `logits` was computed from
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: PagedCache, backend: Backend, timer: StepTimer | None = None,
-                 faults: FaultInjector | None = None):
+                 faults: FaultInjector | None = None, keep_hidden: bool = False):
         self.model, self.cache, self.backend, self.ops = model, cache, backend, backend.ops
+        self.keep_hidden = keep_hidden  # a drafter reads the target's states (spec_decode: reads_hidden)
         self.timer = timer or StepTimer()
         self.faults = faults
         self.device = next(model.parameters()).device
 
-    def build_batch(self, plan: StepPlan) -> tuple[torch.Tensor, StepBatch, list[int], list[Request], list[PromptRows]]:
+    def build_batch(self, plan: StepPlan) -> tuple[torch.Tensor, StepBatch, list[int], list[Request], list[int],
+                                                   list[PromptRows]]:
         ids: list[int] = []
         positions: list[int] = []
         query_start, context_lens, handles = [0], [], []
-        sample_rows, sampled, scored = [], [], []
+        sample_rows, sampled, num_rows, scored = [], [], [], []
         for req, n in plan.chunks:
             start = req.num_computed_tokens
+            known = min(start + n, req.num_tokens)  # then the drafts the scheduler kept
             try:  # this request's pieces first, so a failure leaves the batch lists as they were
                 if self.faults is not None:
                     self.faults.check("forward", req.request_id, req.prompt_ids)
-                tokens = req.token_slice(start, start + n)
+                tokens = req.token_slice(start, known) + req.spec_token_ids[:start + n - known]
                 handle = self.cache.handle(req.block_ids, req.state_slot, start + n)
             except Exception as exc:
                 raise RequestFault(req.request_id, exc) from exc
@@ -68,9 +77,11 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             context_lens.append(start)
             handles.append(handle)
-            if start + n == req.num_tokens:
-                sample_rows.append(query_start[-1] - 1)
+            if start + n >= req.num_tokens:  # the newest token's row, then each draft's
+                rows = start + n - req.num_tokens + 1
+                sample_rows.extend(range(query_start[-1] - rows, query_start[-1]))
                 sampled.append(req)
+                num_rows.append(rows)
             if req.scores_prompt:  # the row at position p predicts prompt token p + 1
                 lo, hi = max(start, len(req.prompt_logprobs) - 1), min(start + n, req.prompt_len - 1)
                 if hi > lo:
@@ -79,7 +90,7 @@ class ModelRunner:
         write_rows = torch.cat([h.rows[c:] for h, c in zip(handles, context_lens)]) if handles else None
         batch = StepBatch(positions_t, query_start, context_lens, self.cache, handles, list(plan.snapshots), self.ops,
                           self._index_meta(plan, positions_t, query_start), write_rows)
-        return torch.tensor(ids, dtype=torch.long, device=self.device), batch, sample_rows, sampled, scored
+        return torch.tensor(ids, dtype=torch.long, device=self.device), batch, sample_rows, sampled, num_rows, scored
 
     def _index_meta(self, plan: StepPlan, positions: torch.Tensor, query_start: list[int]) -> StepIndexMeta | None:
         """DSA metadata for the fast sparse path, built once per step and shared by every DSA layer."""
@@ -96,7 +107,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> ForwardOutput:
         with self.timer.phase("prepare"):
-            ids, batch, rows, sampled, scored = self.build_batch(plan)
+            ids, batch, rows, sampled, num_rows, scored = self.build_batch(plan)
         with self.timer.phase("model"):
             h = self.backend.forward(self.model, ids, batch)
             if self.faults is not None:
@@ -104,7 +115,8 @@ class ModelRunner:
                     self.faults.check("model", req.request_id, req.prompt_ids)
             logits = self.model.compute_logits(h[rows])
         with self.timer.phase("sample"):
-            return ForwardOutput(sampled, logits, [(p.request, self._score(h, p)) for p in scored])
+            return ForwardOutput(sampled, logits, [(p.request, self._score(h, p)) for p in scored], num_rows,
+                                 h if self.keep_hidden else None, rows)
 
     def _score(self, h: torch.Tensor, rows: PromptRows) -> list[TokenLogprobs]:
         num_top = rows.request.params.prompt_logprobs

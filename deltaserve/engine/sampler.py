@@ -109,6 +109,10 @@ class Sampler:
         self._seed = seed
         self._default_generators: dict[torch.device, torch.Generator] = {}
 
+    def default_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The generator rows without a seed draw from."""
+        return self._default_generator(torch.device(device))
+
     def _default_generator(self, device: torch.device) -> torch.Generator:
         gen = self._default_generators.get(device)
         if gen is None:
@@ -131,18 +135,7 @@ class Sampler:
                              f"got {tuple(logits.shape)}")
         batch, vocab = logits.shape
         raw = logits.float()
-        constrained = [i for i, st in enumerate(states) if st.grammar is not None]
-        edits = any(len(st.output_token_ids) < st.params.min_tokens or st.params.repetition_penalty != 1.0
-                    or st.params.frequency_penalty != 0.0 or st.params.presence_penalty != 0.0 for st in states)
-        work = raw.clone() if edits or constrained else raw  # never write into the caller's tensor
-        if constrained:
-            if self.grammars is None:
-                raise ValueError("a row has a grammar but the sampler was built without Grammars")
-            allowed = self.grammars.allowed([states[i].grammar for i in constrained]).to(work.device)
-            work[constrained] = work[constrained].masked_fill(~allowed, float("-inf"))
-        if edits:
-            _mask_min_tokens(work, states)
-            _apply_penalties(work, states)
+        work = self._masked(raw, states)
 
         want_lp = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         lp_rows: Tensor | None = None
@@ -167,6 +160,47 @@ class Sampler:
             for j, i in enumerate(want_lp):
                 reports[i] = _report(lp_rows[j], token_list[i], states[i].params.logprobs or 0)
         return SampleOutput(token_list, reports)
+
+    def _masked(self, raw: Tensor, states: list[SamplingState]) -> Tensor:
+        """Steps 0-2: the fp32 logits after grammar masks, min_tokens and penalties (a copy when any applies)."""
+        constrained = [i for i, st in enumerate(states) if st.grammar is not None]
+        edits = any(len(st.output_token_ids) < st.params.min_tokens or st.params.repetition_penalty != 1.0
+                    or st.params.frequency_penalty != 0.0 or st.params.presence_penalty != 0.0 for st in states)
+        work = raw.clone() if edits or constrained else raw  # never write into the caller's tensor
+        if constrained:
+            if self.grammars is None:
+                raise ValueError("a row has a grammar but the sampler was built without Grammars")
+            allowed = self.grammars.allowed([states[i].grammar for i in constrained]).to(work.device)
+            work[constrained] = work[constrained].masked_fill(~allowed, float("-inf"))
+        if edits:
+            _mask_min_tokens(work, states)
+            _apply_penalties(work, states)
+        return work
+
+    @torch.no_grad()
+    def verify_draft(self, logits: Tensor, state: SamplingState, draft: int,
+                     draft_probs: Tensor) -> tuple[int, TokenLogprobs | None]:
+        """Speculative verification of one draft that came with its probabilities `draft_probs` [V] (a random row;
+        docs/serving.md §9.2): keep `draft` with probability min(1, p(draft) / q(draft)), p the distribution this
+        row samples from (`logits` [1, V] through every step of `sample`), else draw from norm(max(p - q, 0)).
+        Either way the token is distributed as p. Returns (token, its logprob report or None)."""
+        work = self._masked(logits.float(), [state])
+        probs = _filtered_probs(work, [state.params])[0]
+        q = draft_probs.to(probs.device, torch.float32)
+        gen = state.generator or self._default_generator(probs.device)
+        u = torch.rand((), generator=gen, device=gen.device).item()
+        if u * q[draft].item() < probs[draft].item():
+            token = draft
+        else:
+            residual = (probs - q).clamp(min=0)
+            if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is a draw from the residual
+                residual = probs
+            token = int(self._race((residual / residual.sum()).unsqueeze(0), [state])[0])
+        report = None
+        if state.params.logprobs is not None:
+            src = work if self.logprobs_mode == "penalized" else logits.float()
+            report = _report(torch.log_softmax(src[0], dim=-1), token, state.params.logprobs or 0)
+        return token, report
 
     def _race(self, probs: Tensor, states: list[SamplingState]) -> Tensor:
         """Exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p.

@@ -27,6 +27,7 @@ from typing import NamedTuple
 from ..cache.page_pool import PagePool
 from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
+from ..layers.batch import DraftSlot
 from .request import Request, RequestStatus
 
 
@@ -46,8 +47,15 @@ class StepPlan(NamedTuple):
 
 class Scheduler:
     def __init__(self, pages: PagePool, states: StateSlots, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, prefix: PrefixCache | None = None):
+                 enable_chunked_prefill: bool = True, prefix: PrefixCache | None = None, draft_slots_per_seq: int = 0,
+                 lookahead: int = 0, max_model_len: int | None = None):
         self.pages, self.states, self.prefix = pages, states, prefix
+        # Positions a request holds pages for beyond the tokens it computes (never past max_model_len): a drafter
+        # with its own cache (MTP) writes rows up to num_speculative_tokens positions past the newest token
+        self.lookahead, self.max_model_len = lookahead, max_model_len
+        # Speculative decoding over KDA layers: the state after each draft position of a verify step is kept in the
+        # draft states, `draft_slots_per_seq` per working slot (slot s owns s * k ... s * k + k - 1); 0 = none kept
+        self.draft_slots_per_seq = draft_slots_per_seq
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
@@ -82,7 +90,22 @@ class Scheduler:
         chunks = [ScheduledChunk(r, grants[r]) for r in self.running if r in grants]
         snapshots = [self.prefix.plan_snapshots(c.request, c.num_new_tokens) if self.prefix is not None else []
                      for c in chunks]
+        for chunk, snaps in zip(chunks, snapshots):
+            self._plan_drafts(chunk, snaps)
         return StepPlan(chunks, snapshots)
+
+    def _plan_drafts(self, chunk: ScheduledChunk, snapshots: list) -> None:
+        """Keep the drafts the chunk's budget covers, and snapshot the KDA state after each of its rows but the last
+        (the state after the last accepted token is then at hand, docs/serving.md §9.3)."""
+        req, n = chunk
+        drafts = max(0, req.num_computed_tokens + n - req.num_tokens)
+        del req.spec_token_ids[drafts:]
+        if req.spec_token_probs is not None:
+            req.spec_token_probs = req.spec_token_probs[:drafts] if drafts else None
+        if drafts and self.draft_slots_per_seq:
+            first = req.state_slot * self.draft_slots_per_seq
+            snapshots += [(j, DraftSlot(first + j - 1)) for j in range(1, drafts + 1)]
+            snapshots.sort(key=lambda s: s[0])
 
     def _schedule_running(self, grants: dict[Request, int], counts: Counter, cap: int) -> tuple[int, bool]:
         """Running requests in admission order, each key's at most `cap` tokens; preempts under page pressure.
@@ -95,7 +118,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget, cap - used[req.client])
+            n = min(req.num_pending_tokens, budget, cap - used[req.client])
             if n <= 0:
                 continue
             while not self._can_grow(req, n):
@@ -149,7 +172,7 @@ class Scheduler:
             if budget == 0:
                 break
             n = grants.get(req, 0)
-            more = min(req.num_tokens - req.num_computed_tokens - n, budget)
+            more = min(req.num_pending_tokens - n, budget)
             if more > 0 and self._can_grow(req, n + more):
                 self._grow(req, n + more)
                 grants[req] = n + more
@@ -183,13 +206,19 @@ class Scheduler:
         """Whether `req` can be admitted now: a running slot, a state slot, and pages for its first chunk (the
         cached pages of its hit revived)."""
         n = min(req.num_tokens - hit, budget)
-        new_pages = self.pages.blocks_needed(hit + n) - len(hit_pages)
+        new_pages = self.pages.blocks_needed(self._held(hit + n)) - len(hit_pages)
         revived = self.prefix.pages_to_revive(hit_pages) if self.prefix is not None else 0
         return (len(self.running) < self.max_num_seqs and self.states.can_allocate()
                 and self.pages.can_allocate(new_pages + revived))
 
+    def _held(self, computed: int) -> int:
+        """Positions a request computing up to `computed` tokens holds pages for (the drafter's lookahead added)."""
+        if not self.lookahead:
+            return computed
+        return max(computed, min(computed + self.lookahead, self.max_model_len or computed + self.lookahead))
+
     def _blocks_to_add(self, req: Request, n: int) -> int:
-        return max(0, self.pages.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids))
+        return max(0, self.pages.blocks_needed(self._held(req.num_computed_tokens + n)) - len(req.block_ids))
 
     def _can_grow(self, req: Request, n: int) -> bool:
         return self.pages.can_allocate(self._blocks_to_add(req, n))
@@ -203,7 +232,8 @@ class Scheduler:
         recomputed), and put the request at the front of the waiting queue."""
         self.running.remove(req)
         self._release(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_drafter_tokens = 0
+        req.drafter_hidden = None
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -219,6 +249,8 @@ class Scheduler:
         req.status = status
 
     def _release(self, req: Request) -> None:
+        req.spec_token_ids.clear()
+        req.spec_token_probs = None
         if req.block_ids:
             self.pages.free(req.block_ids[::-1])  # chain tails first: they are evicted first
             req.block_ids = []
@@ -238,8 +270,11 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.check_integrity()
         for r in self.waiting:
-            if r.block_ids or r.state_slot is not None:
-                raise AssertionError(f"waiting request {r.request_id} holds cache resources")
+            if r.block_ids or r.state_slot is not None or r.spec_token_ids:
+                raise AssertionError(f"waiting request {r.request_id} holds cache resources or drafts")
         for r in self.running:
             if not 0 <= r.num_computed_tokens <= r.num_tokens:
                 raise AssertionError(f"request {r.request_id}: num_computed_tokens out of range")
+            if r.spec_token_ids and r.num_computed_tokens != r.num_tokens - 1:
+                raise AssertionError(f"request {r.request_id}: drafts while {r.num_tokens - r.num_computed_tokens} "
+                                     f"known tokens are not computed")

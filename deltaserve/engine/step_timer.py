@@ -6,6 +6,7 @@ Phases (seconds, summed over steps since the timer was made or reset):
   model       the model forward and the logits of the sampled rows
   sample      penalties, sampling, logprobs
   update      token bookkeeping, stop checks, prefix-cache commit, freeing finished requests
+  propose     speculative decoding's proposer: its own cache rows and the next drafts (0 without one)
   detokenize  the OutputProcessor (incremental detokenisation, stop strings), when an LLMEngine drives the core
 
 `overhead_share` is everything but `model` over the total: issue 10's "share of a step outside model math".
@@ -17,7 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "prepare", "model", "sample", "update", "detokenize")
+PHASES = ("schedule", "prepare", "model", "sample", "update", "propose", "detokenize")
 
 
 @dataclass

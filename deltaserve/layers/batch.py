@@ -10,12 +10,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..ops.opset import OpSet, get_ops
 from ..ops.qli import StepIndexMeta
+
+
+class DraftSlot(NamedTuple):
+    """A KDA snapshot target among the cache's speculative-decoding draft states (docs/serving.md §9.3): the state
+    after a verify step's draft position, kept until the step's drafts are accepted or rejected. A plain int target is
+    a prefix-cache checkpoint slot."""
+
+    slot: int
 
 
 class ModelCache(ABC):
@@ -48,8 +56,10 @@ class ModelCache(ABC):
         addressed by `handle.slot`, or None when this cache keeps per-sequence state only."""
         return None
 
-    def save_kda_checkpoint(self, layer: int, checkpoint: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """Copy one KDA layer's state into prefix-cache checkpoint `checkpoint` (caches with checkpoints only)."""
+    def save_kda_checkpoint(self, layer: int, checkpoint: "int | DraftSlot", conv: torch.Tensor,
+                            recurrent: torch.Tensor) -> None:
+        """Copy one KDA layer's state into prefix-cache checkpoint `checkpoint`, or into a draft state for a
+        `DraftSlot` (caches with those pools only)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no state checkpoints")
 
 
@@ -62,9 +72,9 @@ class StepBatch:
     context_lens: list[int]  # [B] tokens already cached for each sequence before this step
     cache: ModelCache | None = None
     handles: list[Any] = field(default_factory=list)  # [B] per-sequence cache handles
-    # [B] per sequence: (offset within its rows, checkpoint id) where the KDA state is snapshotted for the prefix
-    # cache; offsets ascending, in (0, n_i]
-    kda_snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
+    # [B] per sequence: (offset within its rows, target) where the KDA state is snapshotted: a prefix-cache
+    # checkpoint slot, or a DraftSlot after each draft position of a verify step; offsets ascending, in (0, n_i]
+    kda_snapshots: list[list[tuple[int, "int | DraftSlot"]]] = field(default_factory=list)
     ops: OpSet = field(default_factory=lambda: get_ops("fast"))
     index_meta: StepIndexMeta | None = None  # DSA indexer metadata for paged fast ops, built once per step
     write_rows: torch.Tensor | None = None  # [N] flat page row of each new token (paged caches), built once per step
@@ -125,7 +135,7 @@ class StepBatch:
     def rows(self, i: int) -> slice:
         return slice(self.query_start[i], self.query_start[i + 1])
 
-    def snapshots(self, i: int) -> list[tuple[int, int]]:
+    def snapshots(self, i: int) -> list[tuple[int, "int | DraftSlot"]]:
         return self.kda_snapshots[i] if self.kda_snapshots else []
 
     def handle(self, i: int) -> Any:

@@ -1,0 +1,86 @@
+"""DSpark drafting (docs/serving.md §9.6) with a drafter folder (deltaserve/models/dspark.py).
+
+Each step, after the target's tokens are settled:
+* context injection: every scheduled request's positions the target has now computed, from `num_drafter_tokens` up
+  to its newest token (exclusive), get the drafter's latent rows from the target's pre-norm states of this step —
+  one row per drafter layer, in that layer's pages (layers `first_layer ...` of the page pool). A row depends only
+  on its position's state, so rows in pages shared by a prefix hit are already right;
+* block drafting, for each request that wants drafts: the anchor (its newest token, at position P) and mask tokens
+  after it run through the drafter over the context rows before P; the Markov head then takes the drafts left to
+  right. A greedy request takes the argmax of each corrected distribution (one-hot drafts); any other draws from it
+  at its temperature with its own generator and keeps the distribution, q, for verification (the sampler's
+  `verify_draft`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.dspark import DSparkDrafter
+from .proposer import DraftRequest, Proposal, Proposer, TargetStep
+
+
+class DSparkProposer(Proposer):
+    reads_hidden = True
+
+    def __init__(self, model, drafter: DSparkDrafter, cache, first_layer: int, default_generator):
+        self.model, self.drafter, self.cache = model, drafter, cache
+        self.layers = [first_layer + i for i in range(drafter.config.num_hidden_layers)]
+        self.default_generator = default_generator  # the generator of requests without a seed
+
+    @torch.inference_mode()
+    def catch_up(self, step: TargetStep) -> None:
+        for chunk in step.chunks:
+            self._inject(chunk, step.hidden)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        return [self._draft(seq, room) if room > 0 else Proposal([]) for seq, room in requests]
+
+    def finish(self, seq, output: list[int]) -> None:
+        """Nothing is kept per request: its context rows live in its pages."""
+
+    def _inject(self, chunk, hidden: torch.Tensor) -> None:
+        seq, start, num_rows, first_row = chunk
+        if seq.is_finished or seq.state_slot is None:
+            return
+        lo, hi = max(seq.num_drafter_tokens, start), seq.num_computed_tokens  # positions before the newest token
+        if lo >= hi:
+            seq.num_drafter_tokens = max(seq.num_drafter_tokens, hi)
+            return
+        states = hidden[first_row + lo - start:first_row + hi - start]
+        rows = self.cache.handle(seq.block_ids, seq.state_slot, hi).rows[lo:hi]
+        for layer, latent in zip(self.layers, self.drafter.context_latents(states, torch.arange(lo, hi))):
+            self.cache.write_mla_rows(layer, rows, latent, None)
+        seq.num_drafter_tokens = hi
+
+    def _draft(self, seq, room: int) -> Proposal:
+        c = self.drafter.config
+        P = seq.num_computed_tokens  # the anchor: the newest token's position
+        if seq.num_drafter_tokens < P:
+            return Proposal([])  # context rows missing (the request was not scheduled this step)
+        G = min(room, c.block_size)
+        handle = self.cache.handle(seq.block_ids, seq.state_slot, P)
+        contexts = [self.cache.read_mla(layer, handle, P)[0] for layer in self.layers]
+        ids = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long)
+        ids[0] = seq.token_slice(P, P + 1)[0]
+        positions = torch.arange(P, P + c.block_size)
+        visible = torch.ones(c.block_size, P + c.block_size, dtype=torch.bool)
+        states = self.drafter.block_states(self.model.embed_tokens(ids), positions, contexts, visible)
+        base = self.model.lm_head(states[:G]).float()
+        params = seq.params
+        tokens, probs = [], []
+        previous = int(ids[0])
+        for k in range(G):
+            logits = base[k] + self.drafter.markov_bias(torch.tensor(previous))
+            if params.greedy:
+                token = int(logits.argmax())
+            else:
+                q = torch.softmax(logits / params.temperature, dim=-1)
+                gen = seq.sampling.generator or self.default_generator
+                token = int(torch.multinomial(q.to(gen.device), 1, generator=gen))
+                probs.append(q)
+            tokens.append(token)
+            previous = token
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+

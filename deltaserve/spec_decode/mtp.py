@@ -1,0 +1,123 @@
+"""MTP drafting (docs/serving.md §9.5, docs/model.md §13): the checkpoint's first MTP layer proposes the token after
+next from the target's pre-norm state one position back and the newest token, and is chained on its own output
+for more drafts.
+
+The MTP layer attends over its own latent cache (pages of layer `num_layers`, beside the target's layers in the page
+pool), so its row at every position of a request must be computed, in order, as the target computes that position's
+predecessor: row p reads token p and the target's state at p - 1 (zero at p = 0, as the layer was trained). Each step,
+after the target's tokens are settled, the proposer catches every scheduled request up from `num_drafter_tokens`
+(its rows computed so far) to its newest token; that last row's output gives draft 1, and each further draft feeds
+the previous draft and the layer's own output back one position later (rows written there are speculative and are
+computed again once their tokens are known). A row whose target state is not at hand (the first row after a prefix
+hit starts a request past position 0) reads zero there: a draft may then differ, never an output.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..layers.batch import StepBatch
+from .proposer import DraftRequest, Proposal, Proposer, TargetStep
+
+
+class _Rows(NamedTuple):
+    seq: Any
+    start: int  # first drafter row (position) computed this step
+    tokens: list[int]  # token at each row's position
+    hidden: torch.Tensor  # [rows, d] the target's pre-norm state one position back of each row
+
+
+class MTPProposer(Proposer):
+    """Greedy MTP drafts over `cache` (the engine's PagedCache, whose page pool holds the MTP layer's latent)."""
+
+    reads_hidden = True
+
+    def __init__(self, model, cache, ops):
+        self.model, self.cache, self.ops = model, cache, ops
+        self.layer = model.mtp[0]  # its latent cache is layer num_layers of the page pool (engine/core.py)
+        self._last: dict[int, tuple[torch.Tensor, int]] = {}
+
+    @torch.inference_mode()
+    def catch_up(self, step: TargetStep) -> None:
+        """Compute every scheduled request's rows up to its newest token; keep each one's last output (what
+        `propose` drafts from)."""
+        self._last: dict[int, tuple[torch.Tensor, int]] = {}  # id(seq) -> (output at its newest row, that position)
+        catch_up = [rows for rows in (self._rows(c, step) for c in step.chunks) if rows is not None]
+        if not catch_up:
+            return
+        out = self._run(catch_up)  # [total rows, d] pre-norm outputs
+        end = 0
+        for rows in catch_up:
+            end += len(rows.tokens)
+            rows.seq.num_drafter_tokens = rows.start + len(rows.tokens)
+            self._last[id(rows.seq)] = (out[end - 1], rows.start + len(rows.tokens) - 1)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        last, self._last = self._last, {}
+        drafts: list[list[int]] = [[] for _ in requests]
+        live = [i for i, r in enumerate(requests) if r.room > 0 and id(r.seq) in last]
+        if live:
+            self._chain(requests, live, last, drafts)
+        return [Proposal(tokens) for tokens in drafts]
+
+    def _chain(self, requests: list[DraftRequest], live: list[int], last: dict, drafts: list[list[int]]) -> None:
+        """Greedy drafts for requests `live`: draft 1 from each one's newest row, then the layer chained on the
+        previous draft and its own output one position later."""
+        h = torch.stack([last[id(requests[i].seq)][0] for i in live])  # aligned with `live`
+        positions = [last[id(requests[i].seq)][1] for i in live]
+        token = self.layer.logits(h).argmax(-1)
+        for depth in range(1, max(requests[i].room for i in live) + 1):
+            for j, i in enumerate(live):
+                drafts[i].append(int(token[j]))
+            keep = [j for j, i in enumerate(live) if requests[i].room > depth]
+            if not keep:
+                break
+            chained = [_Rows(requests[live[j]].seq, positions[j] + 1, [drafts[live[j]][-1]], h[j:j + 1])
+                       for j in keep]
+            live, positions = [live[j] for j in keep], [positions[j] + 1 for j in keep]
+            h = self._run(chained)
+            token = self.layer.logits(h).argmax(-1)
+
+    def finish(self, seq, output: list[int]) -> None:
+        """Nothing is kept per request: its drafter rows live in its pages."""
+
+    def _rows(self, chunk, step: TargetStep) -> _Rows | None:
+        """The drafter rows a scheduled request catches up this step: from `num_drafter_tokens` to its newest token,
+        each with the target's state one position back (this step's row, the state carried from a fork, or zero)."""
+        seq, start, num_rows, first_row = chunk
+        if seq.is_finished or seq.state_slot is None:
+            return None
+        lo, hi = seq.num_drafter_tokens, seq.num_computed_tokens  # hi: the newest token's position
+        if lo > hi:
+            return None
+        d = step.hidden.shape[-1]
+        hidden = step.hidden.new_zeros(hi - lo + 1, d)
+        for p in range(lo, hi + 1):
+            back = p - 1
+            if start <= back < start + num_rows:
+                hidden[p - lo] = step.hidden[first_row + back - start]
+            elif seq.drafter_hidden is not None and seq.drafter_hidden[0] == back:
+                hidden[p - lo] = seq.drafter_hidden[1]
+        seq.drafter_hidden = None
+        return _Rows(seq, lo, seq.token_slice(lo, hi + 1), hidden)
+
+    def _run(self, rows: list[_Rows]) -> torch.Tensor:
+        """The MTP layer over each sequence's rows (positions start .. start + len - 1, after `start` cached ones),
+        writing their latent rows; returns the pre-norm outputs [total rows, d]."""
+        ids, positions, query_start, contexts, handles = [], [], [0], [], []
+        for r in rows:
+            n = len(r.tokens)
+            ids += r.tokens
+            positions += range(r.start, r.start + n)
+            query_start.append(query_start[-1] + n)
+            contexts.append(r.start)
+            handles.append(self.cache.handle(r.seq.block_ids, r.seq.state_slot, r.start + n))
+        pos = torch.tensor(positions, dtype=torch.long)
+        write_rows = torch.cat([h.rows[c:] for h, c in zip(handles, contexts)])
+        batch = StepBatch(pos, query_start, contexts, self.cache, handles, [], self.ops, None, write_rows)
+        embeds = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
+        hidden = torch.cat([r.hidden for r in rows]).to(embeds.dtype)
+        return self.layer(embeds, hidden, pos, batch)
