@@ -70,6 +70,21 @@ def test_latency_on_the_default_model(tmp_path):
     _check_summary(payload["summary"], ("prefill_s", "prefill_tokens_per_s", "decode_step_s", "decode_tokens_per_s"))
 
 
+def test_spec_on_the_default_model(tmp_path):
+    """Two proposer settings at two batch sizes: every figure present and positive, and the greedy outputs those
+    of the run without speculation."""
+    payload = _bench(tmp_path, "spec", "--batch-sizes", "1", "2", "--input-len", "32", "--output-len", "12",
+                     "--speculative-configs", '{"method": "suffix", "num_speculative_tokens": 2}',
+                     '{"method": "suffix", "num_speculative_tokens": 4}')
+    assert [(r["proposer"]["num_speculative_tokens"], r["batch_size"]) for r in payload["results"]] == [
+        (2, 1), (2, 2), (4, 1), (4, 2)]
+    for r in payload["results"]:
+        assert r["base_decode_tokens_per_s"] > 0 and r["spec_decode_tokens_per_s"] > 0 and r["speedup"] > 0
+        assert r["mean_acceptance_length"] >= 1 and 0 <= r["acceptance_rate"] <= 1
+        assert r["drafts_per_verify"] <= r["proposer"]["num_speculative_tokens"]
+        assert r["identical"] == 1.0
+
+
 def test_long_context_beyond_the_checkpoint_limit(tmp_path, k31_tiny):
     """k31-tiny allows 4096 positions; 4608 runs through the stretched view. KDA state bytes stay constant while
     latent and indexer bytes grow with the context."""

@@ -98,6 +98,12 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
 
     add_quant_args(qb)
 
+    sd = _engine_parser(bs, "spec", "speculative decoding: each proposer's decode speed-up, acceptance length and "
+                                    "rate against none, on validation-text prompts", "bench_spec", "run_spec")
+    from .bench_spec import add_spec_args
+
+    add_spec_args(sd)
+
     bb = _engine_parser(bs, "backends", "native vs torch backend: teacher-forced greedy agreement, |delta logprob|, "
                                         "free-running identical prefix (--backend is ignored: both run)",
                         "bench_backends", "run_backends")
