@@ -282,28 +282,23 @@ def test_speculative_config_flag_reaches_the_engine(make_checkpoint):
 
 
 # ---------------------------------------------------------------------------------------------------- MTP
-@pytest.mark.parametrize("backend", ["torch", "native"])
-def test_mtp_greedy_tokens_are_the_ones_without_speculation(make_checkpoint, backend):
-    """k31-tiny's (random) MTP layer drafts 3 tokens a step, under small pools (preemption), shared prompts (prefix
-    hits), a small budget (chunked prefill) and n = 2: the tokens are those without drafts."""
-    path = make_checkpoint("k31-tiny")
-    probe = make_llm(path)
-    high = probe.tokenizer.num_bpe_ranks
-    shared = random_prompts([32], seed=4, high=high)[0]
-    prompts = _looping_prompts(high) + [shared + p for p in random_prompts([3, 11], seed=6, high=high)]
-    memory = pool_bytes(probe.engine.config, num_slots=4, num_blocks=10, block_size=16)
-    params = [greedy(20) for _ in prompts]
-    params[1] = greedy(20, n=2)
-    stats = new_stats(f"mtp speculation {backend}")
-    engine, _ = _assert_greedy_as_without_speculation(
-        path, prompts, params, stats, speculative_config=MTP, backend=backend, max_num_seqs=4, block_size=16,
-        kv_cache_memory=memory, spec_memory=_spec_pool_bytes(probe.engine.config, 4, 10, k=3, drafter_layers=1),
-        max_num_batched_tokens=20, max_state_checkpoints=2)
-    assert (engine.pages.num_blocks, engine.states.num_slots) == (10, 4)
-    spec = engine.core.spec_stats
-    assert engine.scheduler.num_preemptions > 0 and engine.prefix.num_hit_tokens > 0
-    assert spec.num_draft_tokens > 0
-    stats.assert_rare()
+def _recorded_drafts(path, config: dict, params: list[SamplingParams]):
+    """Run the first len(params) looping prompts with `config` (prefix caching off, chunks of 24 tokens); returns the
+    engine core and every proposal made: (the request's tokens then, its drafts)."""
+    llm = make_llm(path, speculative_config=config, enable_prefix_caching=False, max_num_batched_tokens=24)
+    core = llm.engine.core
+    seen = []
+    propose = core.proposer.propose
+
+    def recording(requests):
+        proposals = propose(requests)
+        seen.extend((r.seq.prompt_ids + r.seq.output_ids, p.tokens) for r, p in zip(requests, proposals))
+        return proposals
+
+    core.proposer.propose = recording
+    llm.generate(_looping_prompts(llm.tokenizer.num_bpe_ranks)[:len(params)], params, use_tqdm=False)
+    assert_pools_free(llm.engine)
+    return core, seen
 
 
 def _mtp_reference(model, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
@@ -330,21 +325,8 @@ def _mtp_reference(model, tokens: list[int], k: int) -> tuple[list[int], list[fl
 def test_mtp_drafts_are_the_layer_run_without_a_cache(make_checkpoint):
     """Every draft the engine proposes (its MTP rows caught up chunk by chunk and step by step in the paged cache,
     forks included) is the chain a plain forward of the request's tokens gives, but at a near-tie."""
-    path = make_checkpoint("k31-tiny")
-    llm = make_llm(path, speculative_config=MTP, enable_prefix_caching=False, max_num_batched_tokens=24)
-    core = llm.engine.core
-    seen = []
-    propose = core.proposer.propose
-
-    def recording(requests):
-        proposals = propose(requests)
-        seen.extend((r.seq.prompt_ids + r.seq.output_ids, p.tokens) for r, p in zip(requests, proposals))
-        return proposals
-
-    core.proposer.propose = recording
-    prompts = _looping_prompts(llm.tokenizer.num_bpe_ranks)[:4]
-    llm.generate(prompts, [greedy(12), greedy(12, n=2), greedy(12), greedy(12)], use_tqdm=False)
-    assert_pools_free(llm.engine)
+    core, seen = _recorded_drafts(make_checkpoint("k31-tiny"), MTP, [greedy(12), greedy(12, n=2), greedy(12),
+                                                                     greedy(12)])
     checked = near_ties = 0
     for tokens, drafts in seen:
         if not drafts:
@@ -494,9 +476,11 @@ def test_default_model_greedy_tokens_with_speculation(config):
 
 # ------------------------------------------------------------------------------------------------------- DSpark
 @pytest.mark.parametrize("backend", ["torch", "native"])
-def test_dspark_greedy_tokens_are_the_ones_without_speculation(make_checkpoint, tiny_drafter, backend):
-    """A DSpark drafter's blocks (context rows injected chunk by chunk, in pages shared by prefix hits and forks)
-    under small pools, shared prompts and a small budget: the tokens are those without drafts."""
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_drafter_greedy_tokens_are_the_ones_without_speculation(make_checkpoint, tiny_drafter, method, backend):
+    """k31-tiny's (random) MTP layer, or a DSpark drafter, drafts 3 tokens a step (its own rows caught up or
+    injected chunk by chunk, in pages shared by prefix hits and forks) under small pools (preemption), shared
+    prompts (prefix hits), a small budget (chunked prefill) and n = 2: the tokens are those without drafts."""
     path = make_checkpoint("k31-tiny")
     probe = make_llm(path)
     high = probe.tokenizer.num_bpe_ranks
@@ -505,11 +489,12 @@ def test_dspark_greedy_tokens_are_the_ones_without_speculation(make_checkpoint, 
     memory = pool_bytes(probe.engine.config, num_slots=4, num_blocks=10, block_size=16)
     params = [greedy(20) for _ in prompts]
     params[1] = greedy(20, n=2)
-    stats = new_stats(f"dspark speculation {backend}")
+    stats = new_stats(f"{method} speculation {backend}")
     engine, _ = _assert_greedy_as_without_speculation(
-        path, prompts, params, stats, speculative_config=_config("dspark", tiny_drafter), backend=backend,
+        path, prompts, params, stats, speculative_config=_config(method, tiny_drafter), backend=backend,
         max_num_seqs=4, block_size=16, kv_cache_memory=memory, max_num_batched_tokens=20, max_state_checkpoints=2,
         spec_memory=_spec_pool_bytes(probe.engine.config, 4, 10, k=3, drafter_layers=1))
+    assert (engine.pages.num_blocks, engine.states.num_slots) == (10, 4)
     assert engine.scheduler.num_preemptions > 0 and engine.prefix.num_hit_tokens > 0
     assert engine.core.spec_stats.num_draft_tokens > 0
     stats.assert_rare()
@@ -522,21 +507,7 @@ def test_dspark_drafts_are_the_drafter_run_without_a_cache(make_checkpoint, tiny
     right."""
     from deltaserve.models.dspark import block_visibility, load_drafter
 
-    path = make_checkpoint("k31-tiny")
-    llm = make_llm(path, speculative_config=_config("dspark", tiny_drafter), enable_prefix_caching=False,
-                   max_num_batched_tokens=24)
-    core = llm.engine.core
-    seen = []
-    propose = core.proposer.propose
-
-    def recording(requests):
-        proposals = propose(requests)
-        seen.extend((r.seq.prompt_ids + r.seq.output_ids, p.tokens) for r, p in zip(requests, proposals))
-        return proposals
-
-    core.proposer.propose = recording
-    prompts = _looping_prompts(llm.tokenizer.num_bpe_ranks)[:4]
-    llm.generate(prompts, [greedy(12)] * 4, use_tqdm=False)
+    core, seen = _recorded_drafts(make_checkpoint("k31-tiny"), _config("dspark", tiny_drafter), [greedy(12)] * 4)
     model = core.model
     drafter = load_drafter(tiny_drafter, model.config, torch.float32)
     G = drafter.config.block_size
