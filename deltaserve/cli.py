@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import envs
 from .engine.config import QUANTIZATIONS, EngineArgs
+from .errors import CheckpointError, ConfigError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -136,9 +137,15 @@ def build_parser() -> CliParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand. A configuration or checkpoint the command cannot use (ConfigError, CheckpointError: each
+    names what is wrong) is printed as one line on stderr, exit status 2, as argparse reports a bad flag."""
     logging.basicConfig(level=envs.log_level(), format=LOG_FORMAT)
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError) as exc:
+        print(f"deltaserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -272,6 +272,18 @@ def test_row_by_row_sampling_when_rows_read_the_tokens_before_them(make_checkpoi
     assert spec.engine.core.spec_stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("value, needle", [('{"method": "suffix"', "not valid JSON"),
+                                           ('{"method": "mtp", "num_speculative_tokens": 2}', "no MTP layers")])
+def test_cli_reports_a_bad_speculative_config_in_one_line(make_checkpoint, capsys, value, needle):
+    from deltaserve.cli import main
+
+    path = make_checkpoint("kimi-linear-tiny")  # no MTP layers
+    assert main(["generate", str(path), "--prompt", "x", "--max-tokens", "2", "--speculative-config", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("deltaserve generate: error: speculative_config") and needle in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
 def test_speculative_config_flag_reaches_the_engine(make_checkpoint):
     path = make_checkpoint("k31-tiny")
     llm = make_llm(path, speculative_config='{"method": "suffix", "num_speculative_tokens": 2}')
