@@ -35,7 +35,17 @@ class DSparkProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        return [self._draft(seq, room) if room > 0 else Proposal([]) for seq, room in requests]
+        c = self.drafter.config
+        live = [i for i, (seq, room) in enumerate(requests)
+                if room > 0 and seq.num_drafter_tokens >= seq.num_computed_tokens]  # else: context rows missing
+        out = [Proposal([]) for _ in requests]
+        if not live:
+            return out
+        base = self._blocks([requests[i].seq for i in live]).view(len(live), c.block_size, -1)
+        for j, i in enumerate(live):
+            seq, room = requests[i]
+            out[i] = self._markov(seq, base[j, :min(room, c.block_size)])
+        return out
 
     def finish(self, seq, output: list[int]) -> None:
         """Nothing is kept per request: its context rows live in its pages."""
@@ -54,24 +64,32 @@ class DSparkProposer(Proposer):
             self.cache.write_mla_rows(layer, rows, latent, None)
         seq.num_drafter_tokens = hi
 
-    def _draft(self, seq, room: int) -> Proposal:
+    def _blocks(self, seqs: list) -> torch.Tensor:
+        """One drafter forward over every request's block (anchor = its newest token, at position P), each block
+        seeing its own request's context rows (positions before P) and its own rows; returns the LM head's logits
+        [len(seqs) * block_size, vocab]."""
         c = self.drafter.config
-        P = seq.num_computed_tokens  # the anchor: the newest token's position
-        if seq.num_drafter_tokens < P:
-            return Proposal([])  # context rows missing (the request was not scheduled this step)
-        G = min(room, c.block_size)
-        handle = self.cache.handle(seq.block_ids, seq.state_slot, P)
-        contexts = [self.cache.read_mla(layer, handle, P)[0] for layer in self.layers]
-        ids = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long)
-        ids[0] = seq.token_slice(P, P + 1)[0]
-        positions = torch.arange(P, P + c.block_size)
-        visible = torch.ones(c.block_size, P + c.block_size, dtype=torch.bool)
-        states = self.drafter.block_states(self.model.embed_tokens(ids), positions, contexts, visible)
-        base = self.model.lm_head(states[:G]).float()
+        G = c.block_size
+        anchors = [seq.num_computed_tokens for seq in seqs]
+        handles = [self.cache.handle(seq.block_ids, seq.state_slot, P) for seq, P in zip(seqs, anchors)]
+        contexts = [torch.cat([self.cache.read_mla(layer, h, P)[0] for h, P in zip(handles, anchors)])
+                    for layer in self.layers]
+        ids = torch.full((len(seqs), G), c.mask_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor([seq.token_slice(P, P + 1)[0] for seq, P in zip(seqs, anchors)])
+        positions = torch.cat([torch.arange(P, P + G) for P in anchors])
+        owner = torch.arange(len(seqs)).repeat_interleave(G)  # the request of each block row
+        key_owner = torch.cat([torch.full((P,), b) for b, P in enumerate(anchors)] + [owner])
+        visible = owner.unsqueeze(1) == key_owner.unsqueeze(0)
+        states = self.drafter.block_states(self.model.embed_tokens(ids.reshape(-1)), positions, contexts, visible)
+        return self.model.lm_head(states).float()
+
+    def _markov(self, seq, base: torch.Tensor) -> Proposal:
+        """The drafts of one request from its block's logits [G, vocab], left to right through the Markov head:
+        argmax for a greedy request, else a draw at its temperature from its own generator (q kept)."""
         params = seq.params
         tokens, probs = [], []
-        previous = int(ids[0])
-        for k in range(G):
+        previous = seq.token_slice(seq.num_computed_tokens, seq.num_computed_tokens + 1)[0]  # the anchor
+        for k in range(base.shape[0]):
             logits = base[k] + self.drafter.markov_bias(torch.tensor(previous))
             if params.greedy:
                 token = int(logits.argmax())
@@ -83,4 +101,3 @@ class DSparkProposer(Proposer):
             tokens.append(token)
             previous = token
         return Proposal(tokens, torch.stack(probs) if probs else None)
-
