@@ -13,6 +13,7 @@ from deltaserve.errors import ConfigError
 from deltaserve.models.dspark import DSparkConfig, DSparkDrafter, block_visibility
 from deltaserve.models.loader import load_model
 from deltaserve.tools import train_dspark
+from deltaserve.tools.train import _load
 
 CONFIG = DSparkConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
                       qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, intermediate_size=48, vocab_size=50,
@@ -97,7 +98,7 @@ def test_training_lowers_the_loss_and_writes_a_drafter(make_checkpoint, tmp_path
     train_dspark.main(argv)
     meta = json.loads((out / "training.json").read_text())
     assert meta["step"] == 20
-    state = train_dspark._load(work / "state.safetensors")[1]
+    state = _load(work / "state.safetensors")[1]
     losses = state["losses"]
     assert sum(losses[-5:]) < sum(losses[:5]), losses
     config = DSparkConfig.from_dict(json.loads((out / "config.json").read_text()))
@@ -108,4 +109,4 @@ def test_training_lowers_the_loss_and_writes_a_drafter(make_checkpoint, tmp_path
     assert names == set(DSparkDrafter(config).state_dict())
     train_dspark.main(argv[:-2] + ["--steps", "22", "--lr", "3e-3"])  # resumes at step 20
     assert json.loads((out / "training.json").read_text())["step"] == 22
-    assert len(train_dspark._load(work / "state.safetensors")[1]["losses"]) == 22
+    assert len(_load(work / "state.safetensors")[1]["losses"]) == 22

@@ -463,8 +463,7 @@ def test_server_speculates_and_reports_it_in_metrics():
 
 
 # ------------------------------------------------------------------------------------------- default model
-@pytest.mark.parametrize("config", [SUFFIX], ids=["suffix"])
-def test_default_model_greedy_tokens_with_speculation(config):
+def test_default_model_greedy_tokens_with_suffix_drafts():
     """The shipped model on Python source (validation windows), chunked prefill, shared prefixes and a pool small
     enough to preempt: the tokens of the run without speculation, drafts both kept and rejected."""
     from deltaserve.default_model import default_model_path
@@ -475,11 +474,11 @@ def test_default_model_greedy_tokens_with_speculation(config):
     ids = probe.tokenizer.encode(VALIDATION_PATH.read_text()[:60_000])
     prompts = [ids[i:i + n] for i, n in ((0, 40), (3000, 90), (7000, 64), (7000, 100), (12000, 33))]
     memory = pool_bytes(probe.engine.config, num_slots=3, num_blocks=14, block_size=16)
-    stats = new_stats(f"default model {config['method']}")
+    stats = new_stats("default model suffix")
     engine, _ = _assert_greedy_as_without_speculation(
-        path, prompts, [greedy(48)] * len(prompts), stats, speculative_config=config, max_num_seqs=3,
+        path, prompts, [greedy(48)] * len(prompts), stats, speculative_config=SUFFIX, max_num_seqs=3,
         block_size=16, kv_cache_memory=memory, max_num_batched_tokens=64, max_state_checkpoints=2,
-        spec_memory=_spec_pool_bytes(probe.engine.config, 3, 14, k=config["num_speculative_tokens"]))
+        spec_memory=_spec_pool_bytes(probe.engine.config, 3, 14, k=SUFFIX["num_speculative_tokens"]))
     spec = engine.core.spec_stats
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     assert engine.scheduler.num_preemptions > 0 and engine.prefix.num_hit_tokens > 0

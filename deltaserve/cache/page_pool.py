@@ -219,8 +219,8 @@ class PagePool:
 
 
 def mla_cache_layers(config: ModelConfig, drafter_layers: tuple[int, ...] = ()) -> list[int]:
-    """Layers with a latent cache: the MLA/DSA layers of the main model, then the MTP layers that draft
-    (`drafter_layers`, indices from num_layers on: docs/serving.md §9.5)."""
+    """Layers with a latent cache: the MLA/DSA layers of the main model, then a drafter's (`drafter_layers`, indices
+    from num_layers on: the drafting MTP layer or the DSpark drafter's layers, docs/serving.md §9.4)."""
     return [*config.mla_layers, *drafter_layers]
 
 

@@ -21,6 +21,7 @@ from ..cache.paged_cache import PagedCache
 from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
 from ..errors import ConfigError, DeltaserveError
+from ..layers.batch import DraftSlot
 from ..backends.select import select_backend
 from ..spec_decode import DraftRequest, SpecDecodeStats, TargetStep, build_proposer
 from ..models.dspark import load_drafter
@@ -230,9 +231,8 @@ class EngineCore:
                 plan = self._without_failed(plan)
                 if not plan.chunks:
                     return []
-        num_rows = fwd.num_rows or [1] * len(fwd.sampled)
         if self.logits_observer is not None:
-            self.logits_observer([r for r, k in zip(fwd.sampled, num_rows) for _ in range(k)], fwd.logits)
+            self.logits_observer([r for r, k in zip(fwd.sampled, fwd.num_rows) for _ in range(k)], fwd.logits)
         with timer.phase("update"):
             for req, reports in fwd.prompt_logprobs:
                 req.prompt_logprobs += reports
@@ -241,11 +241,11 @@ class EngineCore:
                 req.num_computed_tokens += n - len(req.spec_token_ids)  # drafts count once accepted
             if self.prefix is not None:
                 self.prefix.commit([c.request for c in plan.chunks])
-            rows = self._fork_siblings(fwd, num_rows)
+            rows = self._fork_siblings(fwd)
         with timer.phase("sample"):
             # every row at once, but a verify step's rows whose sampling reads the tokens before them (row by row)
-            batched = [r for r in rows
-                       if r.count == 1 or (_history_free(r.request) and not _drafts_with_probs(r.request))]
+            batched = [r for r in rows if r.count == 1
+                       or not (r.request.sampling.reads_history or _drafts_with_probs(r.request))]
             drawn = {}
             if batched:
                 sample = self._sample(_take_rows(fwd.logits, batched),
@@ -289,11 +289,11 @@ class EngineCore:
 
     def _emit(self, rows: SampledRows, drawn: list[tuple[int, TokenLogprobs | None]] | None,
               logits: torch.Tensor) -> list[CoreOutput]:
-        """Append the request's tokens: its one sampled token, or on a verify step the tokens its sampler gives row
-        by row while each equals the draft its row was computed after (docs/serving.md §9.2: the drafts carry no
-        probabilities, so a draft is kept exactly when the sampler picks it, and the first token that differs is the
-        sampler's own). `drawn` holds the rows sampled at once, None when each row is sampled after the previous
-        token is appended (penalties, min_tokens or a grammar read the tokens so far)."""
+        """Append the request's tokens: its one sampled token, or on a verify step the tokens its rows give while
+        each equals the draft its row was computed after (docs/serving.md §9.2): a one-hot draft is kept exactly when
+        the sampler picks it, a draft drawn from q (a random request's DSpark draft) when `Sampler.verify_draft`
+        keeps it; the first token that differs is the sampler's own. `drawn` holds the rows sampled at once, None
+        when each row is sampled after the previous token is appended (`SamplingState.reads_history`, or q)."""
         req = rows.request
         drafts = list(req.spec_token_ids)
         probs = req.spec_token_probs if _drafts_with_probs(req) else None
@@ -338,8 +338,8 @@ class EngineCore:
             return
         req.num_computed_tokens += accepted
         if accepted < drafted and self.drafts is not None:
-            self.drafts.copy_to(req.state_slot * self.spec.num_speculative_tokens + accepted, self.states,
-                                req.state_slot)
+            kept = DraftSlot.of(req.state_slot, self.spec.num_speculative_tokens, accepted)
+            self.drafts.copy_to(kept.slot, self.states, req.state_slot)
 
     def _propose(self, rows: list[SampledRows]) -> None:
         """Drafts for the requests that got tokens this step and decode on: at most num_speculative_tokens, leaving
@@ -457,12 +457,12 @@ class EngineCore:
         return CoreOutput(req.request_id, req.index, token, logprob, req.finish_reason, stop_reason, req.prompt_len,
                           req.num_cached_tokens, scored)
 
-    def _fork_siblings(self, fwd: ForwardOutput, num_rows: list[int]) -> list[SampledRows]:
+    def _fork_siblings(self, fwd: ForwardOutput) -> list[SampledRows]:
         """The rows each request samples from, in logits order. n > 1: once a prompt is computed, the other n - 1
         samples share its pages and copy its KDA state, and all draw their first token from the same logits row."""
         rows: list[SampledRows] = []
         first = 0
-        for req, count in zip(fwd.sampled, num_rows):
+        for req, count in zip(fwd.sampled, fwd.num_rows):
             rows.append(SampledRows(req, first, count))
             while req.siblings_pending:
                 child = self._next_sibling(req)
@@ -553,14 +553,6 @@ class EngineCore:
             state_slot_bytes=StateSlots.bytes_per_slot(config), max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             prefix_caching=self.prefix is not None)
-
-
-def _history_free(req: Request) -> bool:
-    """Whether the sampler treats each of the request's rows alike whatever tokens come before it (no grammar,
-    penalty or min_tokens mask reads them), so a verify step's rows can be sampled at once."""
-    p = req.params
-    return (req.sampling.grammar is None and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_tokens)
 
 
 def _drafts_with_probs(req: Request) -> bool:

@@ -41,7 +41,7 @@ class ForwardOutput(NamedTuple):
     logits: torch.Tensor  # [sum(num_rows), vocab] fp32
     prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]] = []  # reports of prompt tokens scored this step
     # rows of `logits` per sampled request: 1, or 1 + its drafts on a verify step (the newest token's row, then
-    # one per draft); [] means one row each
+    # one per draft)
     num_rows: list[int] = []
     hidden: torch.Tensor | None = None  # [N, d] every row's pre-norm final state, when the runner keeps them
     sample_rows: list[int] = []  # the row of `hidden` each row of `logits` was computed from

@@ -88,6 +88,18 @@ class SamplingState:
         if params.seed is not None:
             self.generator = torch.Generator(device=generator_device).manual_seed(params.seed)
 
+    @property
+    def edits_logits(self) -> bool:
+        """min_tokens still masks stop ids, or a penalty applies: the row's logits depend on the tokens so far."""
+        p = self.params
+        return (len(self.output_token_ids) < p.min_tokens or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+
+    @property
+    def reads_history(self) -> bool:
+        """Sampling the next row reads the tokens so far (a grammar, min_tokens, a penalty)."""
+        return self.grammar is not None or self.edits_logits
+
     def append(self, token_id: int) -> None:
         """Record a generated token (for penalties and min_tokens)."""
         self.output_token_ids.append(token_id)
@@ -164,8 +176,7 @@ class Sampler:
     def _masked(self, raw: Tensor, states: list[SamplingState]) -> Tensor:
         """Steps 0-2: the fp32 logits after grammar masks, min_tokens and penalties (a copy when any applies)."""
         constrained = [i for i, st in enumerate(states) if st.grammar is not None]
-        edits = any(len(st.output_token_ids) < st.params.min_tokens or st.params.repetition_penalty != 1.0
-                    or st.params.frequency_penalty != 0.0 or st.params.presence_penalty != 0.0 for st in states)
+        edits = any(st.edits_logits for st in states)
         work = raw.clone() if edits or constrained else raw  # never write into the caller's tensor
         if constrained:
             if self.grammars is None:

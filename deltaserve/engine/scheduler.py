@@ -54,7 +54,7 @@ class Scheduler:
         # with its own cache (MTP) writes rows up to num_speculative_tokens positions past the newest token
         self.lookahead, self.max_model_len = lookahead, max_model_len
         # Speculative decoding over KDA layers: the state after each draft position of a verify step is kept in the
-        # draft states, `draft_slots_per_seq` per working slot (slot s owns s * k ... s * k + k - 1); 0 = none kept
+        # draft states, `draft_slots_per_seq` per working slot (DraftSlot.of); 0 = none kept
         self.draft_slots_per_seq = draft_slots_per_seq
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
@@ -103,8 +103,8 @@ class Scheduler:
         if req.spec_token_probs is not None:
             req.spec_token_probs = req.spec_token_probs[:drafts] if drafts else None
         if drafts and self.draft_slots_per_seq:
-            first = req.state_slot * self.draft_slots_per_seq
-            snapshots += [(j, DraftSlot(first + j - 1)) for j in range(1, drafts + 1)]
+            snapshots += [(j, DraftSlot.of(req.state_slot, self.draft_slots_per_seq, j - 1))
+                          for j in range(1, drafts + 1)]
             snapshots.sort(key=lambda s: s[0])
 
     def _schedule_running(self, grants: dict[Request, int], counts: Counter, cap: int) -> tuple[int, bool]:
@@ -213,9 +213,8 @@ class Scheduler:
 
     def _held(self, computed: int) -> int:
         """Positions a request computing up to `computed` tokens holds pages for (the drafter's lookahead added)."""
-        if not self.lookahead:
-            return computed
-        return max(computed, min(computed + self.lookahead, self.max_model_len or computed + self.lookahead))
+        held = computed + self.lookahead
+        return held if self.max_model_len is None else min(held, self.max_model_len)
 
     def _blocks_to_add(self, req: Request, n: int) -> int:
         return max(0, self.pages.blocks_needed(self._held(req.num_computed_tokens + n)) - len(req.block_ids))

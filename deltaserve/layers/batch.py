@@ -25,6 +25,11 @@ class DraftSlot(NamedTuple):
 
     slot: int
 
+    @classmethod
+    def of(cls, working_slot: int, per_slot: int, index: int) -> "DraftSlot":
+        """Draft state `index` of working slot `working_slot`, each working slot owning `per_slot` of them."""
+        return cls(working_slot * per_slot + index)
+
 
 class ModelCache(ABC):
     """Per-layer storage of the cross-token state of a hybrid model, addressed by an opaque per-sequence handle.

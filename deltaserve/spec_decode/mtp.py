@@ -37,13 +37,13 @@ class MTPProposer(Proposer):
     def __init__(self, model, cache, ops):
         self.model, self.cache, self.ops = model, cache, ops
         self.layer = model.mtp[0]  # its latent cache is layer num_layers of the page pool (engine/core.py)
-        self._last: dict[int, tuple[torch.Tensor, int]] = {}
+        self._last: dict[int, tuple[torch.Tensor, int]] = {}  # id(seq) -> (output at its newest row, that position)
 
     @torch.inference_mode()
     def catch_up(self, step: TargetStep) -> None:
         """Compute every scheduled request's rows up to its newest token; keep each one's last output (what
         `propose` drafts from)."""
-        self._last: dict[int, tuple[torch.Tensor, int]] = {}  # id(seq) -> (output at its newest row, that position)
+        self._last = {}
         catch_up = [rows for rows in (self._rows(c, step) for c in step.chunks) if rows is not None]
         if not catch_up:
             return
@@ -93,14 +93,13 @@ class MTPProposer(Proposer):
         lo, hi = seq.num_drafter_tokens, seq.num_computed_tokens  # hi: the newest token's position
         if lo > hi:
             return None
-        d = step.hidden.shape[-1]
-        hidden = step.hidden.new_zeros(hi - lo + 1, d)
-        for p in range(lo, hi + 1):
-            back = p - 1
-            if start <= back < start + num_rows:
-                hidden[p - lo] = step.hidden[first_row + back - start]
-            elif seq.drafter_hidden is not None and seq.drafter_hidden[0] == back:
-                hidden[p - lo] = seq.drafter_hidden[1]
+        hidden = step.hidden.new_zeros(hi - lo + 1, step.hidden.shape[-1])
+        a, b = max(lo, start + 1), min(hi, start + num_rows)  # rows whose state one back this step computed
+        if a <= b:
+            hidden[a - lo:b - lo + 1] = step.hidden[first_row + a - 1 - start:first_row + b - start]
+        carried = seq.drafter_hidden
+        if carried is not None and lo <= carried[0] + 1 <= hi and not a <= carried[0] + 1 <= b:
+            hidden[carried[0] + 1 - lo] = carried[1]
         seq.drafter_hidden = None
         return _Rows(seq, lo, seq.token_slice(lo, hi + 1), hidden)
 

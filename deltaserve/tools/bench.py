@@ -19,12 +19,23 @@ from ..engine.config import EngineArgs
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
 from .bench_report import emit, format_table, machine_info, new_figure, save_figure, summarize_runs
+from .corpus import VALIDATION_PATH
 
 
 def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
     """`count` prompts of `length` token ids drawn uniformly from [0, vocab) by a generator seeded with `seed`."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(count)]
+
+
+def validation_windows(engine: LLMEngine, count: int, length: int, first: int = 0,
+                       chars: int | None = None) -> list[list[int]]:
+    """Windows `first` .. `first + count - 1` of `length` tokens of the shipped validation text (its first `chars`
+    characters, or all of it), `first + count` windows spread evenly over it: real Python as prompts."""
+    text = VALIDATION_PATH.read_text()
+    ids = engine.tokenizer.encode(text if chars is None else text[:chars])
+    stride = max(length, (len(ids) - length) // max(count + first, 1))
+    return [ids[i * stride:i * stride + length] for i in range(first, first + count)]
 
 
 def drive(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> dict:

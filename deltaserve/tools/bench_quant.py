@@ -49,27 +49,20 @@ from ..engine.config import QUANTIZATIONS, EngineArgs
 from ..engine.llm_engine import LLMEngine
 from ..engine.summary import weight_bytes, weight_bytes_by_format
 from ..server.serve import positive_int
-from .bench import drive, random_prompts
+from .bench import drive, random_prompts, validation_windows
 from .bench_backends import forward_logits
 from .bench_latency import latency_run
 from .bench_report import emit, format_table, machine_info, new_figure, save_figure
 from .bench_roofline import weight_bytes_touched
-from .corpus import VALIDATION_PATH
 
 CACHE_DTYPES = ("int8", "fp8")
+QUALITY_TEXT_CHARS = 200_000  # the quality windows come from the validation text's first characters
 
 
 def variants() -> list[tuple[str, str | None, str]]:
     """(name, quantization, kv_cache_dtype) of every variant, the unquantised baseline first."""
     return ([("unquantised", None, "auto")] + [(q, q, "auto") for q in QUANTIZATIONS]
             + [(f"c8-{c}", None, c) for c in CACHE_DTYPES])
-
-
-def quality_prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
-    """`count` windows of `length` tokens spread evenly over the start of the validation text."""
-    ids = engine.tokenizer.encode(VALIDATION_PATH.read_text()[:200_000])
-    stride = max(length, (len(ids) - length) // max(count, 1))
-    return [ids[i * stride:i * stride + length] for i in range(count)]
 
 
 def vm_rss() -> int:
@@ -192,11 +185,13 @@ def engine_args_of(args: argparse.Namespace, quantization: str | None, kv: str) 
 
 
 def _quality(engine: LLMEngine, args: argparse.Namespace, kv: str) -> tuple[list, list | None]:
-    """(greedy runs, teacher-forced log-probabilities or None for a C8 cache) of an engine."""
-    greedy = greedy_with_logits(engine, quality_prompts(engine, args.num_quality_prompts, args.input_len),
-                                args.output_len)
-    tf = (teacher_forced(engine, quality_prompts(engine, args.num_quality_prompts, args.quality_len))
-          if kv == "auto" else None)
+    """(greedy runs, teacher-forced log-probabilities or None for a C8 cache) of an engine, on windows spread over
+    the start of the validation text."""
+    def windows(length: int) -> list[list[int]]:
+        return validation_windows(engine, args.num_quality_prompts, length, chars=QUALITY_TEXT_CHARS)
+
+    greedy = greedy_with_logits(engine, windows(args.input_len), args.output_len)
+    tf = teacher_forced(engine, windows(args.quality_len)) if kv == "auto" else None
     return greedy, tf
 
 

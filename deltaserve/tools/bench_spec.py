@@ -26,16 +26,8 @@ from ..engine.config import EngineArgs
 from ..engine.llm_engine import LLMEngine
 from ..server.serve import positive_int
 from ..spec_decode import SpeculativeConfig
-from .bench import drive
+from .bench import drive, validation_windows
 from .bench_report import emit, format_table, machine_info, new_figure, save_figure
-from .corpus import VALIDATION_PATH
-
-
-def text_prompts(engine: LLMEngine, count: int, length: int, first: int = 0) -> list[list[int]]:
-    """`count` windows of `length` tokens of the validation text, from window `first` on, spread evenly over it."""
-    ids = engine.tokenizer.encode(VALIDATION_PATH.read_text())
-    stride = max(length, (len(ids) - length) // max(count + first, 1))
-    return [ids[i * stride:i * stride + length] for i in range(first, first + count)]
 
 
 def decode_run(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
@@ -60,14 +52,14 @@ def run_spec(args: argparse.Namespace) -> str:
         raise SystemExit("bench spec: --output-len must be >= 2 to time decoding")
     configs = [SpeculativeConfig.parse(text) for text in args.speculative_configs]
     base = LLMEngine(replace(EngineArgs.from_cli(args, args.model), speculative_config=None))
-    warm = text_prompts(base, 1, args.input_len, first=max(args.batch_sizes))
+    warm = validation_windows(base, 1, args.input_len, first=max(args.batch_sizes))
     results = []
     for config in configs:
         engine = LLMEngine(replace(EngineArgs.from_cli(args, args.model), speculative_config=config.to_dict()))
         for e in (base, engine):
             decode_run(e, warm, 4, "warm")
         for batch in args.batch_sizes:
-            prompts = text_prompts(base, batch, args.input_len)
+            prompts = validation_windows(base, batch, args.input_len)
             rounds = []
             for r in range(args.rounds):
                 order = [(base, "base"), (engine, "spec")]

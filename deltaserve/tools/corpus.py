@@ -9,7 +9,8 @@ Deterministic: files are listed by path (stdlib files relative to the stdlib fol
 the split does not depend on the Python version. The held-out text of the standard library is written once into
 ``deltaserve/data/validation.txt`` and shipped, so tests measure on the same text whatever Python is installed;
 training always skips held-out files (by path). A second held-out set, ``deltaserve/data/cpython_tests.txt``, is
-taken from CPython's own test suite, which the corpus never includes. `manifest()` records each package's version, licence and size.
+taken from CPython's own test suite, which the corpus never includes. `manifest()` records each package's version,
+licence and size.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from ..models.dspark import DSparkConfig, DSparkDrafter, block_visibility
 from ..models.loader import load_model
-from .train import _load, _load_training_state, _save_training_state, lr_at, step_batch
+from .train import _load_training_state, _save_training_state, lr_at, step_batch
 
 
 def drafter_config(target, block_size: int, num_layers: int, markov_rank: int, mask_token_id: int) -> DSparkConfig:
