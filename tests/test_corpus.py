@@ -77,3 +77,28 @@ def test_second_held_out_set_is_cpython_tests_never_trained():
         p = test_dir / h.removeprefix("test/")
         if p.exists():
             assert f"# {h}\n{corpus._read(p)}" in shipped
+
+
+def test_extra_packages_bring_their_tests_within_the_cap(monkeypatch):
+    """An extended-corpus package gives its files tests included, never a held-out one, at most EXTRA_MAX_BYTES."""
+    files = [rel for rel, _ in corpus.package_files("fsspec", with_tests=True)]
+    assert any(corpus.is_validation(rel) for rel in files) and any("/tests/" in rel for rel in files)
+    texts = corpus.extra_package_texts("fsspec")
+    rels = [rel for rel, _ in texts]
+    assert any("/tests/" in rel for rel in rels) and not any(corpus.is_validation(rel) for rel in rels)
+    assert sum(len(t.encode()) for _, t in texts) <= corpus.EXTRA_MAX_BYTES
+    monkeypatch.setattr(corpus, "EXTRA_MAX_BYTES", 100_000)
+    capped = corpus.extra_package_texts("fsspec")
+    assert 0 < sum(len(t.encode()) for _, t in capped) <= 100_000 and set(capped) < set(texts)
+
+
+def test_extended_corpus_is_the_core_then_the_extra_packages(monkeypatch, training):
+    monkeypatch.setattr(corpus, "EXTRA_PACKAGES", ("fsspec",))
+    extra = corpus.extra_package_texts("fsspec")
+    assert corpus.training_documents("extended") == training + [text for _, text in extra]
+    m = corpus.manifest("extended")
+    assert m["corpus"] == "extended" and [p["name"] for p in m["packages"]] == [*corpus.PACKAGES, "fsspec"]
+    assert m["packages"][-1]["tests"] and not m["packages"][0]["tests"]
+    assert m["packages"][-1]["files"] == len(extra)
+    with pytest.raises(ValueError, match="unknown corpus"):
+        corpus.training_documents("everything")

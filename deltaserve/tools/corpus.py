@@ -1,8 +1,12 @@
 """Training corpus for the default model: Python source written by people, read from the interpreter that runs the
 script: the standard library (code, comments, docstrings; PSF-2.0) and the pure-Python part of the permissively
 licensed packages in `PACKAGES`, which the project's own environment installs (pip, setuptools and the server's
-dependencies). Generated tables (the code-page codecs, Sphinx's pydoc topics, HTML entities, Unicode and IDNA data,
-locale aliases) are left out: they are data, not code, and a small model spends itself learning them.
+dependencies). The "extended" corpus adds `EXTRA_PACKAGES`, more permissively licensed Python the environment
+installs (torch's dependencies, the test and benchmark tools'), their own test suites included, each capped at
+`EXTRA_MAX_BYTES`: nearly three times the core's text in all, so a longer run sees fresh text instead of repeating
+itself, and tests written the way CPython's held-out ones are. Generated tables (the code-page codecs, Sphinx's
+pydoc topics, HTML entities, Unicode and IDNA data, locale aliases) are left out: they are data, not code, and a
+small model spends itself learning them.
 
 Deterministic: files are listed by path (stdlib files relative to the stdlib folder, package files as
 ``site-packages/<distribution>/<path>``) and sorted; which files are held out is decided by a hash of that path, so
@@ -39,6 +43,13 @@ TEST_SUITE_MAX_BYTES = 150_000
 PACKAGES = ("pip", "setuptools", "jinja2", "markupsafe", "fastapi", "starlette", "pydantic", "annotated-types",
             "typing_extensions", "anyio", "idna", "uvicorn", "click", "h11", "jsonschema", "referencing", "attrs",
             "prometheus_client")
+# Installed with the project too (torch's dependencies, the test and benchmark tools' and theirs), read by the extended
+# corpus only, with their tests; `make install` puts each in the environment, so the corpus is rebuilt the same way.
+EXTRA_PACKAGES = ("sympy", "mpmath", "networkx", "pandas", "scikit-learn", "scipy", "joblib", "pytest", "packaging",
+                  "httpx", "httpcore", "urllib3", "requests", "rich", "pygments", "fsspec", "filelock",
+                  "huggingface_hub", "pyyaml", "python-dateutil")
+EXTRA_MAX_BYTES = 3_000_000  # per extra package: whole files in sha1(path) order, so each spreads over the package
+CORPORA = ("core", "extended")
 # SPDX identifiers and the trove classifiers' names of the same licences
 ALLOWED_LICENCES = {"MIT", "BSD-2-Clause", "BSD-3-Clause", "Apache-2.0", "PSF-2.0", "ISC", "MIT License",
                     "BSD License", "Apache Software License", "Python Software Foundation License"}
@@ -78,20 +89,40 @@ def package_licence(name: str) -> str:
     return expression or " AND ".join(parts)
 
 
-def package_files(name: str) -> list[tuple[str, Path]]:
+def package_files(name: str, with_tests: bool = False) -> list[tuple[str, Path]]:
     """(``site-packages/<name>/<path>``, absolute path) of the ``.py`` files installed distribution `name` owns,
-    outside tests and vendored folders."""
+    outside vendored folders, and outside test folders unless `with_tests`."""
+    skip = _SKIP_DIRS - {"test", "tests", "testing"} if with_tests else _SKIP_DIRS
     dist = importlib.metadata.distribution(name)
     out = []
     for f in dist.files or []:
         rel = Path(str(f))
-        if rel.suffix == ".py" and ".." not in rel.parts and not any(p in _SKIP_DIRS for p in rel.parts[:-1]):
+        if rel.suffix == ".py" and ".." not in rel.parts and not any(p in skip for p in rel.parts[:-1]):
             out.append((f"site-packages/{name}/{rel.as_posix()}", Path(dist.locate_file(f))))
     return sorted(out)
 
 
+def _hash(rel: str) -> int:
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16)
+
+
+def extra_package_texts(name: str) -> list[tuple[str, str]]:
+    """(relative path, text) of the training files extra package `name` gives: its files (tests included) in
+    sha1(path) order, held-out files and tables skipped, whole files while they fit in EXTRA_MAX_BYTES."""
+    package_licence(name)
+    out, size = [], 0
+    for rel, p in sorted(package_files(name, with_tests=True), key=lambda f: _hash(f[0])):
+        if is_validation(rel) or not (text := _read(p)) or is_table(text):
+            continue
+        n = len(text.encode())
+        if size + n <= EXTRA_MAX_BYTES:
+            out.append((rel, text))
+            size += n
+    return sorted(out)
+
+
 def corpus_files() -> list[tuple[str, Path]]:
-    """Every candidate file: the standard library's, then each package's in `PACKAGES` order."""
+    """Every candidate file of the core corpus: the standard library's, then each package's in `PACKAGES` order."""
     files = stdlib_files()
     for name in PACKAGES:
         package_licence(name)
@@ -100,7 +131,7 @@ def corpus_files() -> list[tuple[str, Path]]:
 
 
 def is_validation(rel: str) -> bool:
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % VAL_BUCKETS == 0
+    return _hash(rel) % VAL_BUCKETS == 0
 
 
 def is_table(text: str) -> bool:
@@ -126,26 +157,35 @@ def _read(p: Path) -> str | None:
     return text.replace("\r\n", "\n").strip("\n") + "\n" if text.strip() else None
 
 
-def training_documents() -> list[str]:
-    """Training files' texts, in `corpus_files` order: held-out files and tables excluded."""
+def training_documents(which: str = "core") -> list[str]:
+    """Training files' texts, held-out files and tables excluded: the core corpus in `corpus_files` order, then for
+    ``which="extended"`` each of `EXTRA_PACKAGES` in order (`extra_package_texts`)."""
+    if which not in CORPORA:
+        raise ValueError(f"corpus: unknown corpus {which!r}; expected one of {CORPORA}")
     docs = []
     for rel, p in corpus_files():
         if not is_validation(rel):
             text = _read(p)
             if text and not is_table(text):
                 docs.append(text)
+    if which == "extended":
+        docs += [text for name in EXTRA_PACKAGES for _, text in extra_package_texts(name)]
     return docs
 
 
-def manifest() -> dict:
-    """What the corpus is made of: the Python version, and per package its version, licence, and the files and
-    bytes it gives the training set."""
+def manifest(which: str = "core") -> dict:
+    """What the corpus is made of: the Python version, and per package its version, licence, whether its tests are
+    read, and the files and bytes it gives the training set."""
     packages = []
     for name in PACKAGES:
         texts = [t for rel, p in package_files(name) if not is_validation(rel) and (t := _read(p)) and not is_table(t)]
         packages.append({"name": name, "version": importlib.metadata.version(name), "licence": package_licence(name),
-                         "files": len(texts), "bytes": sum(len(t.encode()) for t in texts)})
-    return {"python": sysconfig.get_python_version(), "packages": packages}
+                         "tests": False, "files": len(texts), "bytes": sum(len(t.encode()) for t in texts)})
+    for name in EXTRA_PACKAGES if which == "extended" else ():
+        texts = [t for _, t in extra_package_texts(name)]
+        packages.append({"name": name, "version": importlib.metadata.version(name), "licence": package_licence(name),
+                         "tests": True, "files": len(texts), "bytes": sum(len(t.encode()) for t in texts)})
+    return {"python": sysconfig.get_python_version(), "corpus": which, "packages": packages}
 
 
 def _whole_files(files, max_bytes: int) -> str:
@@ -178,7 +218,7 @@ def build_test_suite_text(root: Path | None = None, max_bytes: int = TEST_SUITE_
     picked = []
     for p in sorted(folder.rglob("*.py")):
         rel = "test/" + p.relative_to(folder).as_posix()
-        if int(hashlib.sha1(rel.encode()).hexdigest(), 16) % TEST_SUITE_BUCKETS == 0 and "__pycache__" not in rel:
+        if _hash(rel) % TEST_SUITE_BUCKETS == 0 and "__pycache__" not in rel:
             picked.append((rel, p))
     return _whole_files(picked, max_bytes)
 
