@@ -14,8 +14,8 @@ from deltaserve.tools.presets import _TINY, k3_config, k3_text_config
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.moe import Router
 from deltaserve.tools.train import (IndexerInputs, LoadBalancer, attention_mass, build_model, evaluate, expert_load,
-                                   export_model, indexer_loss, indexer_recall, mtp_agreement, mtp_loss, report,
-                                   step_batch, train)
+                                   export_model, indexer_loss, indexer_recall, load_initial_weights, mtp_agreement,
+                                   mtp_loss, report, step_batch, train)
 
 NUM_BPE = 4096 - 256  # the shipped tokenizer's size, so its ids feed the tiny model
 STEPS, BATCH, SEQ = 12, 2, 64  # SEQ > index_topk: DSA selection is active
@@ -184,6 +184,24 @@ def test_resume_matches_uninterrupted(tokens, tmp_path):
     assert resumed["step"] == STEPS
     for key in ("losses", "mtp_losses", "indexer_losses", "load_imbalance"):  # MTP, indexers, biases resume too
         assert resumed[key] == full[key], key
+
+
+def test_a_new_stage_starts_from_a_state_or_a_model_folder(tokens, tmp_path):
+    """--init: the weights of a run's state or of its exported folder, exactly (fp32 export), with what they had
+    seen; training then starts afresh (step 0, new optimiser) from there, not from a random model."""
+    state = tmp_path / "state.safetensors"
+    trained, _ = _run(tokens, 0, state_path=state, stop_at=10)
+    seen = {"step": 10, "tokens_seen": 10 * BATCH * SEQ}
+    folder = export_model(trained, build_model(_tiny_config(), 0)[1], _tiny_config(), default_model_path(),
+                          tmp_path / "m", dtype=torch.float32, extra=seen)
+    for source in (state, folder):
+        model, _ = build_model(_tiny_config(), 1)
+        assert load_initial_weights(model, source) == {"from": source.name, **seen}
+        expected = trained.state_dict()
+        assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), source
+    _, fresh = _run(tokens, 1)
+    _, continued = _run(tokens, 1, model=model)
+    assert len(continued["losses"]) == STEPS and continued["losses"][0] < fresh["losses"][0] - 0.5
 
 
 def test_export_loads_through_normal_path(tokens, tmp_path):

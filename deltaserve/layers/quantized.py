@@ -208,15 +208,16 @@ def quantize_model(model: nn.Module, q: Quantization) -> None:
             if isinstance(module, MXLinear):
                 module.set_scheme(q.dense)
             elif isinstance(module, Linear) and is_dense_target(path, module.in_features):
-                _replace(model, path, MXLinear.from_linear(module, q.dense))
+                replace_module(model, path, MXLinear.from_linear(module, q.dense))
         if q.experts is not None:
             if isinstance(module, MXExperts):
                 module.set_scheme(q.experts)
             elif isinstance(module, Experts):
-                _replace(model, path, MXExperts.from_experts(module, q.experts))
+                replace_module(model, path, MXExperts.from_experts(module, q.experts))
 
 
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    """Put `new` at module path `path` of `model`."""
     parent, _, leaf = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
@@ -226,9 +227,9 @@ def swap_in(model: nn.Module, path: str, scheme: MXScheme) -> None:
     module = model.get_submodule(path)
     if isinstance(module, Experts):
         E, width, dim = module.w1.shape
-        _replace(model, path, MXExperts(module.config, E, dim, width, scheme))
+        replace_module(model, path, MXExperts(module.config, E, dim, width, scheme))
     elif isinstance(module, nn.Linear):
-        _replace(model, path, MXLinear(module.in_features, module.out_features, scheme))
+        replace_module(model, path, MXLinear(module.in_features, module.out_features, scheme))
     else:
         raise ConfigError(f"{path} ({type(module).__name__}) cannot hold MX weights")
 

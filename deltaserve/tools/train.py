@@ -30,11 +30,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from ..layers.quantized import get_scheme
 from ..layers.batch import StepBatch
 from ..ops.indexer import indexer_scores_ref
 from ..tokenizer.base import CHAR_TO_BYTE
 from .make_model import _save_sharded, build_random, checkpoint_tensors
 from .presets import get_preset
+from .quant_noise import QuantNoise
 from .tokenizer_files import _bpe_parts, tokenizer_config
 from .tokenizer_json import write_tokenizer_json
 
@@ -379,6 +381,22 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, meta
 
 
+def load_initial_weights(model: torch.nn.Module, source: Path) -> dict:
+    """Start a new stage from earlier weights: `source` is a run's state.safetensors (its fp32 weights exactly) or a
+    model folder (e.g. the shipped default model, its bf16 weights widened to fp32) of the same shape. The optimiser
+    and LR schedule start afresh. Returns what training.json records of it: {"from", "step", "tokens_seen"}."""
+    if source.is_dir():
+        from ..models.loader import load_model
+
+        model.load_state_dict(load_model(source, dtype="float32").state_dict())
+        record = source / "training.json"
+        meta = json.loads(record.read_text()) if record.exists() else {}
+    else:
+        tensors, meta = _load(source)
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    return {"from": source.name, "step": meta.get("step"), "tokens_seen": meta.get("tokens_seen")}
+
+
 def _save_training_state(path: Path, model, opt, gen: torch.Generator, info: dict) -> None:
     """Model, AdamW moments and step counts, both RNG states, and progress: everything a resume needs."""
     opt_sd = opt.state_dict()
@@ -420,11 +438,12 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
           seed: int, warmup: int = 20, weight_decay: float = 0.1, clip: float = 1.0, state_path: Path | None = None,
           ckpt_every: int = 0, on_checkpoint=None, deadline: float | None = None, stop_at: int | None = None,
           progress: bool = True, log: list | None = None, mtp_weight: float = 0.3, balance_rate: float = 1e-3,
-          indexer_weight: float = 1.0) -> dict:
+          indexer_weight: float = 1.0, quant_noise: QuantNoise | None = None) -> dict:
     """Train in place on random windows of ``tokens``; deterministic in ``seed``; resumes from ``state_path``.
     The loss is the next-token cross-entropy plus ``mtp_weight`` times the MTP layers' (`mtp_loss`; none without
     them) plus ``indexer_weight`` times the lightning indexers' (`indexer_loss`, which trains only them); the routers'
-    correction biases follow the load (`LoadBalancer`, ``balance_rate``; 0: frozen).
+    correction biases follow the load (`LoadBalancer`, ``balance_rate``; 0: frozen). With ``quant_noise`` each step
+    runs a fresh draw of its layers fake-quantised (tools/quant_noise.py).
 
     Returns {"step", "tokens_seen", "seconds", "losses" (next-token), "mtp_losses", "indexer_losses",
     "load_imbalance" (each step's worst max/mean expert load)}. Stops early (after a checkpoint) at ``deadline``
@@ -463,6 +482,8 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
         windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
+        if quant_noise is not None:
+            quant_noise.draw()
         x, y, h, layout = forward_windows(model, windows)
         loss = F.cross_entropy(model.compute_logits(h), y)
         total = loss
@@ -535,6 +556,17 @@ def main(argv: list[str] | None = None) -> None:
                          "expert load) as JSON and exit")
     ap.add_argument("--write-validation", action="store_true",
                     help="(re)write deltaserve/data/validation.txt and deltaserve/data/cpython_tests.txt")
+    ap.add_argument("--corpus", choices=("core", "extended"), default="core",
+                    help="core: the standard library and PACKAGES; extended: also EXTRA_PACKAGES with their tests "
+                         "(deltaserve.tools.corpus)")
+    ap.add_argument("--init", type=Path, default=None, metavar="STATE_OR_MODEL",
+                    help="start from the weights of an earlier run's state.safetensors or of a model folder of the "
+                         "same shape (a new stage: fresh optimiser and LR schedule); ignored once this run's own "
+                         "state exists")
+    ap.add_argument("--quant-noise", type=float, default=0.0, metavar="P",
+                    help="each step, run each layer that --quant-noise-scheme quantises fake-quantised with "
+                         "probability P (0: never)")
+    ap.add_argument("--quant-noise-scheme", default="mxfp", help="the quantization scheme whose layers get noise")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="take tiktoken.model and tokenizer_config.json from this model folder instead of learning "
                          "BPE (keeps per-token perplexities comparable with that model's)")
@@ -558,14 +590,14 @@ def main(argv: list[str] | None = None) -> None:
             shutil.copyfile(args.tokenizer / name, tok_dir / name)
     if not (tok_dir / "tiktoken.model").exists():
         t0 = time.time()
-        docs = corpus.training_documents()
+        docs = corpus.training_documents(args.corpus)
         ranks = train_bpe_ranks(docs, preset.num_bpe_ranks)
         write_tokenizer(tok_dir, ranks, raw["text_config"]["model_max_length"])
         print(f"tokenizer: {len(ranks)} BPE ranks from {len(docs)} files in {time.time() - t0:.0f}s")
     tokenizer = load_tokenizer(tok_dir)
     tok_path = args.work / "tokens.safetensors"
     if not tok_path.exists():
-        docs = corpus.training_documents()
+        docs = corpus.training_documents(args.corpus)
         ids: list[int] = []
         sep = tokenizer.encode(corpus.FILE_SEP)
         for d in docs:
@@ -576,6 +608,9 @@ def main(argv: list[str] | None = None) -> None:
     val_ids = tokenizer.encode(corpus.validation_text())
 
     model, config = build_model(raw, args.seed)
+    stage = {"init": load_initial_weights(model, args.init)} if args.init is not None else {}
+    noise = QuantNoise.attach(model, get_scheme(args.quant_noise_scheme), args.quant_noise, args.seed) \
+        if args.quant_noise else None
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params; {len(tokens)} training tokens")
     deadline = None
     if args.deadline:
@@ -584,7 +619,7 @@ def main(argv: list[str] | None = None) -> None:
         now = _dt.datetime.now(_dt.timezone.utc)
         deadline = now.replace(hour=hh, minute=mm, second=0, microsecond=0).timestamp()
 
-    sources = corpus.manifest()  # recorded with every export: what the model was trained on, under which licences
+    sources = corpus.manifest(args.corpus)  # recorded with every export: what it was trained on, under which licences
 
     def last50(values: list[float], digits: int = 4) -> float:
         return round(sum(values[-50:]) / max(1, len(values[-50:])), digits)
@@ -602,7 +637,9 @@ def main(argv: list[str] | None = None) -> None:
                  "balance_rate": args.balance_rate, "indexer_weight": args.indexer_weight,
                  "indexer_loss_last50": last50(info["indexer_losses"]), "indexer_recall_1k": round(recall, 4),
                  "mtp_greedy_agreement": round(agreement, 4), "mtp_loss_last50": last50(info["mtp_losses"]),
-                 "load_imbalance_last50": last50(info["load_imbalance"], 3), "corpus": sources}
+                 "load_imbalance_last50": last50(info["load_imbalance"], 3), "quant_noise": args.quant_noise,
+                 "quant_noise_scheme": args.quant_noise_scheme if args.quant_noise else None, **stage,
+                 "corpus": sources}
         export_model(model, config, raw, tok_dir, args.out, extra=extra)
         print(f"\ncheckpoint step {info['step']}: val loss {val:.3f} (ppl {math.exp(val):.1f}) -> {args.out}",
               flush=True)
@@ -610,7 +647,7 @@ def main(argv: list[str] | None = None) -> None:
     res = train(model, tokens, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                 seed=args.seed, warmup=args.warmup, state_path=args.work / "state.safetensors", ckpt_every=args.ckpt_every,
                 on_checkpoint=on_checkpoint, deadline=deadline, mtp_weight=args.mtp_weight,
-                balance_rate=args.balance_rate, indexer_weight=args.indexer_weight)
+                balance_rate=args.balance_rate, indexer_weight=args.indexer_weight, quant_noise=noise)
     print(f"done: {res['step']} steps, {res['tokens_seen']} tokens, {res['seconds']:.0f}s")
 
 
