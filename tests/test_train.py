@@ -13,8 +13,9 @@ from deltaserve.tools import corpus
 from deltaserve.tools.presets import _TINY, k3_config, k3_text_config
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.moe import Router
-from deltaserve.tools.train import (IndexerInputs, LoadBalancer, attention_mass, build_model, evaluate, expert_load,
-                                   export_model, indexer_loss, indexer_recall, load_initial_weights, mtp_agreement,
+from deltaserve.tools.train import (IndexerInputs, LoadBalancer, attention_mass, build_model,
+                                   check_header_completion, evaluate, expert_load, export_model, function_body,
+                                   indexer_loss, indexer_recall, load_initial_weights, mtp_agreement,
                                    mtp_loss, report, step_batch, train)
 
 NUM_BPE = 4096 - 256  # the shipped tokenizer's size, so its ids feed the tiny model
@@ -268,3 +269,20 @@ def test_report_reads_a_model_folder(tokens, tmp_path):
     assert 1 < figures["cpython_tests_ppl"] < math.inf
     assert 0 <= figures["mtp_greedy_agreement"] <= 1 and 0 < figures["indexer_recall_1k"] <= 1
     assert len(figures["expert_load_max_over_mean"]) >= 2
+
+
+@pytest.mark.parametrize("completion, body, parses, repeats", [
+    ("\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n", "def f(a):\n    return a + b\n", True, 1),
+    (" return a + b\n\nclass X:\n", "def f(a): return a + b\n", True, 1),
+    ("\n    if a:\n        return b\n    return a +", "def f(a):\n    if a:\n        return b\n", True, 1),
+    ("\n    x = 1\n    x = 1\n    x = 1\n    x", "def f(a):\n    x = 1\n    x = 1\n    x = 1\n", True, 3),
+    ("\n    # only a comment\n    # and another\nx = 1\n", "def f(a):\n    # only a comment\n    # and another\n",
+     False, 1),
+    ("\n    return (a +\n\nb = 2\n", "def f(a):\n    return (a +\n", False, 1),
+    ("  # 38: 3894444444444", "def f(a):  # 38: 3894444444444\n", False, 0),
+])
+def test_header_completion_checks(completion, body, parses, repeats):
+    """The function a completion defines ends at the first unindented line, or drops its last (maybe cut) line when
+    the completion stops inside it; it must parse with a body; repeats count the completion's complete lines."""
+    assert function_body("def f(a):", completion) == body
+    assert check_header_completion("def f(a):", completion) == {"parses": parses, "max_line_repeats": repeats}

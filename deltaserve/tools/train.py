@@ -262,11 +262,59 @@ def expert_load(model: torch.nn.Module, ids: torch.Tensor, seq_len: int = 256, w
     return [(counts[id(r)].max() / counts[id(r)].float().mean()).item() for r in routers if id(r) in counts]
 
 
+# Small function headers a user tries first; the report and tests/test_default_model.py check their greedy completions.
+FUNCTION_HEADERS = ("def add(a, b):", "def is_even(n):", "def factorial(n):", "def reverse_string(s):",
+                    "def mean(values):", "def count_words(text):")
+HEADER_COMPLETION_TOKENS = 64
+
+
+def greedy_completion(model: torch.nn.Module, tok, prompt: str, max_tokens: int) -> str:
+    """The greedy continuation of ``prompt`` (no BOS, as `deltaserve generate` sends it), one full forward per token
+    through the reference path: what an fp32 model produces, independent of the engine."""
+    ids, out = tok.encode(prompt), []
+    model.eval()
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            out.append(int(model.reference_logits(torch.tensor(ids + out)).float()[-1].argmax()))
+    return tok.decode(out)
+
+
+def function_body(header: str, completion: str) -> str:
+    """The function that ``header`` + ``completion`` defines: the header line and the lines after it that are blank or
+    indented, up to the first that is neither; when the completion ends inside the function, its last line (which the
+    token limit may have cut) is dropped."""
+    first, *rest = (header + completion).split("\n")
+    body, ended = [], False
+    for line in rest:
+        if line.strip() and not line[0].isspace():
+            ended = True
+            break
+        body.append(line)
+    if not ended and body:
+        body.pop()
+    return "\n".join([first, *body]).rstrip() + "\n"
+
+
+def check_header_completion(header: str, completion: str) -> dict:
+    """Whether the function a completion gives parses as Python with a body (`ast`), and how often its most repeated
+    non-blank line occurs in the whole completion (a looping model repeats one line)."""
+    import ast
+
+    text = function_body(header, completion)
+    try:
+        parses = len(ast.parse(text).body[0].body) > 0
+    except SyntaxError:
+        parses = False
+    lines = [line.strip() for line in (header + completion).split("\n")[:-1] if line.strip()]
+    return {"parses": parses, "max_line_repeats": max((lines.count(line) for line in lines), default=0)}
+
+
 def report(model_dir: Path) -> dict:
     """The shipped figures of a trained model folder, each from the model as it loads (fp32): perplexity over the
     whole validation and CPython test-suite texts (windows of 256 tokens), the first MTP layer's agreement with
     the greedy token (16 validation windows of 256), the lightning indexers' top-k recall of the attention mass at
-    a 1,024-token context (mean of 4 validation windows) and each router's max/mean expert load (16 windows)."""
+    a 1,024-token context (mean of 4 validation windows), each router's max/mean expert load (16 windows) and the
+    greedy completions of `FUNCTION_HEADERS` with their checks."""
     from ..models.loader import load_model
     from ..tokenizer import load_tokenizer
     from . import corpus
@@ -279,7 +327,10 @@ def report(model_dir: Path) -> dict:
            "cpython_tests_ppl": math.exp(evaluate(model, tests, max_tokens=len(tests))),
            "mtp_greedy_agreement": mtp_agreement(model, val, windows=16),
            "indexer_recall_1k": sum(indexer_recall(model, val[i * 1024:], 1024) for i in range(4)) / 4,
-           "expert_load_max_over_mean": [round(v, 3) for v in expert_load(model, val)]}
+           "expert_load_max_over_mean": [round(v, 3) for v in expert_load(model, val)],
+           "function_headers": [{"header": h, "completion": (c := greedy_completion(model, tok, h,
+                                                                                   HEADER_COMPLETION_TOKENS)),
+                                 **check_header_completion(h, c)} for h in FUNCTION_HEADERS]}
 
 
 class LoadBalancer:
