@@ -125,3 +125,19 @@ def test_training_with_noise_changes_the_steps_and_still_learns():
     noisy.eval(), twin.eval()
     with torch.no_grad():  # in eval mode the noisy layers are plain, whatever the last draw
         assert torch.equal(noisy(text[:64], step_batch(1, 64)), twin(text[:64], step_batch(1, 64)))
+
+
+def test_a_noisy_run_resumes_exactly(tmp_path):
+    """The noise's draws are part of the training state: a run interrupted and resumed takes the same steps."""
+    text = torch.tensor(deltaserve.load_tokenizer(default_model_path()).encode(corpus.validation_text()[:20_000]))
+    kw = dict(steps=10, batch=2, seq_len=64, lr=1e-2, seed=0, warmup=2, progress=False)
+
+    def run(**more):
+        model = _model()
+        return train(model, text, quant_noise=QuantNoise.attach(model, get_scheme("mxfp"), 0.5, seed=3), **kw, **more)
+
+    full = run()
+    state = tmp_path / "state.safetensors"
+    run(state_path=state, ckpt_every=3, stop_at=6)
+    resumed = run(state_path=state, ckpt_every=3)
+    assert resumed["step"] == 10 and resumed["losses"] == full["losses"]

@@ -448,8 +448,10 @@ def load_initial_weights(model: torch.nn.Module, source: Path) -> dict:
     return {"from": source.name, "step": meta.get("step"), "tokens_seen": meta.get("tokens_seen")}
 
 
-def _save_training_state(path: Path, model, opt, gen: torch.Generator, info: dict) -> None:
-    """Model, AdamW moments and step counts, both RNG states, and progress: everything a resume needs."""
+def _save_training_state(path: Path, model, opt, gen: torch.Generator, info: dict,
+                         noise_gen: torch.Generator | None = None) -> None:
+    """Model, AdamW moments and step counts, the RNG states (the data order's, torch's, and quantisation noise's when
+    it runs), and progress: everything a resume needs."""
     opt_sd = opt.state_dict()
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     for idx, st in opt_sd["state"].items():
@@ -457,10 +459,13 @@ def _save_training_state(path: Path, model, opt, gen: torch.Generator, info: dic
             tensors[f"opt.{idx}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
     tensors["rng.gen"] = gen.get_state()
     tensors["rng.torch"] = torch.get_rng_state()
+    if noise_gen is not None:
+        tensors["rng.noise"] = noise_gen.get_state()
     _atomic_save(tensors, {"param_groups": opt_sd["param_groups"], **info}, path)
 
 
-def _load_training_state(path: Path, model, opt, gen: torch.Generator) -> dict:
+def _load_training_state(path: Path, model, opt, gen: torch.Generator,
+                         noise_gen: torch.Generator | None = None) -> dict:
     tensors, meta = _load(path)
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     state: dict[int, dict] = {}
@@ -471,6 +476,8 @@ def _load_training_state(path: Path, model, opt, gen: torch.Generator) -> dict:
     opt.load_state_dict({"state": state, "param_groups": meta.pop("param_groups")})
     gen.set_state(tensors["rng.gen"])
     torch.set_rng_state(tensors["rng.torch"])
+    if noise_gen is not None:
+        noise_gen.set_state(tensors["rng.noise"])
     return meta
 
 
@@ -507,9 +514,10 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(seed)
+    noise_gen = quant_noise.gen if quant_noise is not None else None
     step, seconds, losses, mtp_losses, indexer_losses, imbalance = 0, 0.0, [], [], [], []
     if state_path is not None and state_path.exists():
-        st = _load_training_state(state_path, model, opt, gen)
+        st = _load_training_state(state_path, model, opt, gen, noise_gen)
         step, seconds, losses = st["step"], st["seconds"], st["losses"]
         mtp_losses, imbalance = st.get("mtp_losses", []), st.get("load_imbalance", [])
         indexer_losses = st.get("indexer_losses", [])
@@ -520,7 +528,7 @@ def train(model: torch.nn.Module, tokens: torch.Tensor, *, steps: int, batch: in
         info = {"step": step, "tokens_seen": step * batch * seq_len, "seconds": seconds, "losses": losses,
                 "mtp_losses": mtp_losses, "indexer_losses": indexer_losses, "load_imbalance": imbalance}
         if state_path is not None:
-            _save_training_state(state_path, model, opt, gen, info)
+            _save_training_state(state_path, model, opt, gen, info, noise_gen)
         if on_checkpoint is not None:
             on_checkpoint(info)
 
