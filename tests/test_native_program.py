@@ -17,10 +17,11 @@ from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.paged_cache import PagedCache, SeqHandle
 from deltaserve.cache.sequence_cache import SequenceCache
 from deltaserve.cache.state_slots import StateSlots
-from deltaserve.layers.batch import StepBatch
+from deltaserve.layers.batch import DraftSlot, StepBatch
 from deltaserve.ops import native
 from deltaserve.ops.native_contract import LINEAR_MAX_ROWS
 from deltaserve.ops.opset import get_ops
+from deltaserve.ops.qli import build_index_meta
 from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
 
 pytestmark = pytest.mark.skipif(native.native_library() is None, reason="no C compiler to build the kernels")
@@ -144,6 +145,97 @@ def test_chunk_program_equals_the_modules(make_checkpoint, monkeypatch, preset, 
     program = write_program(model, kind, backend.programs.plans, caches[0])
     kinds = [k for seg in program.segments for k in (seg.kinds or [seg.node.kind])]
     assert ("kda" in kinds) == kda_native and "mla" not in kinds and "attention-modules" in kinds
+
+
+DRAFTS_PER_SLOT = 4
+
+
+def _rows_batch(cache, config, seqs: list[tuple[int, int, int, int]], drafts: bool) -> StepBatch:
+    """A step over sequences (state slot, first position, rows, drafts kept after its first rows) on pages 16 * slot
+    onwards: each sequence's rows at its next positions, with `drafts` the KDA state kept after each of its first
+    `drafts` rows (a verify step), the DSA models' indexer metadata built per row."""
+    positions, starts, handles, snapshots, write = [], [0], [], [], []
+    for slot, first, n, kept in seqs:
+        positions += range(first, first + n)
+        starts.append(starts[-1] + n)
+        handles.append(SeqHandle(slot, torch.arange(16 * slot, 16 * slot + first + n)))
+        write += range(16 * slot + first, 16 * slot + first + n)
+        snapshots.append([(j, DraftSlot.of(slot, DRAFTS_PER_SLOT, j - 1)) for j in range(1, kept + 1)] if drafts
+                         else [])
+    pos = torch.tensor(positions)
+    seq_ids = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for _, _, n, _ in seqs]))
+    meta = (build_index_meta([torch.tensor([slot]) for slot, *_ in seqs], [f + n for _, f, n, _ in seqs], seq_ids,
+                             pos, 16, config.index_topk) if config.has_dsa else None)
+    return StepBatch(pos, starts, [f for _, f, _, _ in seqs], cache, handles, kda_snapshots=snapshots,
+                     ops=get_ops("native"), index_meta=meta, write_rows=torch.tensor(write))
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "k3-tiny", "deepseek-v32-tiny"])
+@pytest.mark.parametrize("seqs", [[(2, 5, 4, 3)], [(1, 7, 2, 1), (3, 4, 2, 1)], [(0, 6, 1, 0), (2, 3, 3, 2)]])
+def test_verify_program_is_its_rows_decoded_one_by_one(make_checkpoint, monkeypatch, preset, seqs):
+    """A verify step (each sequence its newest token and the drafts after it, the KDA state kept after every row but
+    the last) through one program: the KDA blocks write the draft states in C, the MLA and DSA blocks attend per row
+    over the rows written before them. Its outputs, states, pages and draft states are those of the same rows run as
+    decode steps one position at a time, each draft state the state after its row, bit for bit (at most 4 rows: the
+    row-packed products, as at decode; index keys to bf16 rounding)."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint(preset))
+    caches = twin_caches(model, 5)
+    for cache in caches:
+        cache.drafts = StateSlots(model.config, 5 * DRAFTS_PER_SLOT)
+    verify, stepped = caches
+    rows = sum(n for _, _, n, _ in seqs)
+    ids = torch.randint(0, model.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(9))
+    batch = _rows_batch(verify, model.config, seqs, drafts=True)
+    assert StepKind.of(batch, rows) == StepKind(kda=True, decode=True, few=True)
+    with torch.inference_mode():
+        got = run_step(model, backend, ids, batch, True)
+        want = torch.empty_like(got)
+        offsets = [sum(n for _, _, n, _ in seqs[:i]) for i in range(len(seqs))]
+        for r in range(max(n for _, _, n, _ in seqs)):
+            live = [i for i, (_, _, n, _) in enumerate(seqs) if r < n]
+            step = _rows_batch(stepped, model.config, [(seqs[i][0], seqs[i][1] + r, 1, 0) for i in live], False)
+            picked = torch.tensor([offsets[i] + r for i in live])
+            want[picked] = run_step(model, backend, ids[picked], step, True)
+            for i in live:
+                slot, _, _, kept = seqs[i]
+                if r < kept:
+                    draft = DraftSlot.of(slot, DRAFTS_PER_SLOT, r).slot
+                    stepped.drafts.conv[draft] = stepped.states.conv[slot]
+                    stepped.drafts.recurrent[draft] = stepped.states.recurrent[slot]
+    assert torch.equal(got, want)
+    assert_caches_equal(verify, stepped, keys_close=preset in DSA_PRESETS)
+    assert torch.equal(verify.drafts.conv, stepped.drafts.conv)
+    assert torch.equal(verify.drafts.recurrent, stepped.drafts.recurrent)
+    kda = verify.states.recurrent.shape[1] > 0  # the preset has KDA layers
+    kept = [DraftSlot.of(slot, DRAFTS_PER_SLOT, j).slot for slot, _, _, d in seqs for j in range(d)]
+    assert all(verify.drafts.recurrent[k].abs().sum() > 0 for k in kept) or not kda
+    program = write_program(model, StepKind.of(batch, rows), backend.programs.plans, verify)
+    kinds = {k for seg in program.segments for k in (seg.kinds or [seg.node.kind])}
+    assert ("kda" in kinds) == kda
+    assert taken[0]
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k31-tiny", "k3-tiny"])
+def test_wide_verify_program_equals_the_modules(make_checkpoint, monkeypatch, preset):
+    """A verify step of 9 rows (products on the column packs; K3.1's DSA layers and latent MoE on their modules):
+    the program's outputs, states, pages and draft states are the modules' (which cut the KDA chunks at the draft
+    states and attend per row as well), bit for bit but for the index keys."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint(preset))
+    caches = twin_caches(model, 5)
+    for cache in caches:
+        cache.drafts = StateSlots(model.config, 5 * DRAFTS_PER_SLOT)
+    seqs = [(2, 5, 4, 3), (0, 7, 1, 0), (3, 2, 4, 3)]
+    ids = torch.randint(0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = run_step(model, backend, ids, _rows_batch(caches[0], model.config, seqs, drafts=True), True)
+        want = run_step(model, backend, ids, _rows_batch(caches[1], model.config, seqs, drafts=True), False)
+    assert torch.equal(got, want)
+    assert_caches_equal(*caches, keys_close=preset in DSA_PRESETS)
+    assert torch.equal(caches[0].drafts.conv, caches[1].drafts.conv)
+    assert torch.equal(caches[0].drafts.recurrent, caches[1].drafts.recurrent)
+    assert taken == [True]
 
 
 def test_step_kinds(make_checkpoint):

@@ -38,6 +38,12 @@ class PagedCache(ModelCache):
         i = self.states.layer_index[layer]
         return self.states.conv[:, i], self.states.recurrent[:, i]
 
+    def kda_draft_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.drafts is None:
+            return None
+        i = self.drafts.layer_index[layer]
+        return self.drafts.conv[:, i], self.drafts.recurrent[:, i]
+
     def save_kda_checkpoint(self, layer: int, checkpoint: int | DraftSlot, conv: torch.Tensor,
                             recurrent: torch.Tensor) -> None:
         if isinstance(checkpoint, DraftSlot):

@@ -61,6 +61,11 @@ class ModelCache(ABC):
         addressed by `handle.slot`, or None when this cache keeps per-sequence state only."""
         return None
 
+    def kda_draft_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One KDA layer's speculative-decoding draft states (`DraftSlot.slot` indexes them), in `kda_slot_pool`'s
+        layout, or None when this cache keeps none."""
+        return None
+
     def save_kda_checkpoint(self, layer: int, checkpoint: "int | DraftSlot", conv: torch.Tensor,
                             recurrent: torch.Tensor) -> None:
         """Copy one KDA layer's state into prefix-cache checkpoint `checkpoint`, or into a draft state for a
@@ -105,30 +110,55 @@ class StepBatch:
     @cached_property
     def kda_sequences(self) -> tuple[int, torch.Tensor | None, torch.Tensor] | None:
         """(sequence count, [B+1] int64 row offsets or None when each sequence has one row, [B] int64 state slots)
-        of a step whose prefix-cache snapshots all fall at the end of their sequence's rows, over a cache whose
-        handles carry slots (a pure decode step: `decode_slots`); else None, as when a snapshot cuts a chunk.
-        Built once per step, read by the native program's KDA blocks (backends/native/program.py)."""
+        of a step whose prefix-cache snapshots all fall at the end of their sequence's rows (draft states may follow
+        any row: `kda_draft_rows`), over a cache whose handles carry slots (a pure decode step: `decode_slots`); else
+        None, as when a prefix-cache snapshot cuts a chunk. Built once per step, read by the native program's KDA
+        blocks (backends/native/program.py)."""
         if self.decode_slots is not None:
             return self.num_seqs, None, self.decode_slots
         B, slots = self.num_seqs, self._handle_slots
         if B == 0 or self.cache is None or slots is None or slots.numel() != B:
             return None
-        if any(off != self.rows(i).stop - self.rows(i).start for i in range(B) for off, _ in self.snapshots(i)):
-            return None  # a snapshot inside a chunk: the module cuts the chunk there
+        if any(off != self.rows(i).stop - self.rows(i).start and not isinstance(target, DraftSlot)
+               for i in range(B) for off, target in self.snapshots(i)):
+            return None  # a prefix-cache snapshot inside a chunk: the module cuts the chunk there
         return B, torch.tensor(self.query_start, dtype=torch.int64), slots
 
     @cached_property
-    def decode_context_rows(self) -> torch.Tensor | None:
-        """[B, max context + 1] int64 flat cache rows of every sequence's positions up to this step's token, -1
-        padded, when this step is pure decode over a paged cache (handles with `rows`); else None. Built once per
-        step, read by the native program's MLA and DSA blocks."""
-        rows = [getattr(h, "rows", None) for h in self.handles] if self._one_row_each() else [None]
+    def kda_draft_rows(self) -> torch.Tensor | None:
+        """[N] int64: per row, the draft state (`DraftSlot.slot`) that takes its sequence's KDA state after that row,
+        -1 for none; None when the step keeps no draft states. Read by the native program's KDA blocks."""
+        drafts = [(self.query_start[i] + off - 1, target.slot) for i in range(self.num_seqs)
+                  for off, target in self.snapshots(i) if isinstance(target, DraftSlot)]
+        if not drafts:
+            return None
+        out = torch.full((self.query_start[-1],), -1, dtype=torch.int64)
+        for row, slot in drafts:
+            out[row] = slot
+        return out
+
+    @cached_property
+    def context_rows(self) -> torch.Tensor | None:
+        """[N, max position + 1] int64: per row, the flat cache rows of its sequence's positions up to its own, -1
+        padded, when every sequence of this step over a paged cache (handles with `rows`) computes one token, or one
+        token and the drafts after it whose KDA states it keeps (a verify step, whose rows then attend causally to
+        each other's cache rows); else None. Built once per step, read by the native program's MLA and DSA blocks,
+        which write every row's cache row before any row attends."""
+        B = self.num_seqs
+        if B == 0 or self.cache is None or len(self.handles) != B:
+            return None
+        rows = [getattr(h, "rows", None) for h in self.handles]
         if any(r is None for r in rows):
             return None
-        lengths = [c + 1 for c in self.context_lens]
-        out = torch.full((self.num_seqs, max(lengths)), -1, dtype=torch.int64)
-        for i, (r, n) in enumerate(zip(rows, lengths)):
-            out[i, :n] = r[:n]
+        for i in range(B):
+            drafts = sum(isinstance(target, DraftSlot) for _, target in self.snapshots(i))
+            if self.rows(i).stop - self.rows(i).start != 1 + drafts:
+                return None
+        lengths = (self.positions + 1).tolist()
+        out = torch.full((len(lengths), max(lengths)), -1, dtype=torch.int64)
+        for i in range(B):
+            for j in range(self.rows(i).start, self.rows(i).stop):
+                out[j, :lengths[j]] = rows[i][:lengths[j]]
         return out
 
     def _one_row_each(self) -> bool:

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.kda import l2_normalize
-from .batch import StepBatch
+from .batch import DraftSlot, StepBatch
 from .derived import Derived
 from .linear import Linear
 from .norm import gated_rms_norm
@@ -92,12 +92,14 @@ class KimiDeltaAttention(nn.Module):
         return core
 
     def save_end_snapshots(self, batch: StepBatch, pool: tuple[torch.Tensor, torch.Tensor], seqs) -> None:
-        """Copy the slot state of each sequence in `seqs` into the checkpoints its snapshots name; every snapshot of
-        these sequences falls at the end of their rows, so the state after the step is the one to keep."""
+        """Copy the slot state of each sequence in `seqs` into the prefix-cache checkpoints its snapshots name; every
+        such snapshot of these sequences falls at the end of their rows, so the state after the step is the one to
+        keep. Draft states (`DraftSlot`, after a row inside a verify chunk) are written by whatever ran the rows."""
         for i in seqs:
             slot = batch.handle(i).slot
             for _, checkpoint in batch.snapshots(i):
-                batch.cache.save_kda_checkpoint(self.layer, checkpoint, pool[0][slot], pool[1][slot])
+                if not isinstance(checkpoint, DraftSlot):
+                    batch.cache.save_kda_checkpoint(self.layer, checkpoint, pool[0][slot], pool[1][slot])
 
     def _per_sequence(self, qkv, g, beta, batch: StepBatch) -> torch.Tensor:
         """Each sequence on its own state (read and overwritten in place), cut at its prefix-cache snapshots."""

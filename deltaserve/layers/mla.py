@@ -118,8 +118,12 @@ class MLAttention(nn.Module):
         return q_nope, q_pe, torch.cat([c, k_pe], dim=-1), c_q, cos_sin
 
     def _dense_paged(self, q_nope, q_pe, latent_rows, latent_pages, batch: StepBatch) -> torch.Tensor:
-        """Fast dense MLA over paged latents: every single-token sequence at once (`_dense_decode`), chunks per
-        sequence."""
+        """Fast dense MLA over paged latents: on a decode or verify step every row at once over its own context
+        (`StepBatch.context_rows`, the form a decode step takes, so a verify step's rows are its rows decoded one by
+        one); otherwise every single-token sequence at once (`_dense_decode`) and chunks per sequence."""
+        if batch.context_rows is not None:
+            out_lat, _ = batch.ops.qsfa(self._absorb(q_nope), q_pe, latent_pages, batch.context_rows, self.scale)
+            return self._unabsorb(out_lat.to(q_pe.dtype))
         single = [batch.rows(i).stop - batch.rows(i).start == 1 for i in range(batch.num_seqs)]
         decode = [i for i, one in enumerate(single) if one]
         out = self._per_sequence(q_nope, q_pe, latent_rows, None, None, None, batch,

@@ -165,7 +165,7 @@ def _native(x, conv_weight, conv_states, g, beta, scale, cu: list[int], recurren
         slots_t.numel(), cu_t.data_ptr(), H, K, x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, conv_weight.data_ptr(),
         conv_weight.shape[1], conv_states.data_ptr(), conv_states.stride(0), g.data_ptr(), beta.data_ptr(),
         K ** -0.5 if scale is None else scale, recurrent_states.data_ptr(), recurrent_states.stride(0),
-        slots_t.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        slots_t.data_ptr(), None, out.data_ptr(), torch.get_num_threads())
     return out
 
 

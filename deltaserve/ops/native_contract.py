@@ -149,6 +149,19 @@ class KdaBlock(ctypes.Structure):
 
 
 @_layout
+class KdaSnapshots(ctypes.Structure):
+    """Where ds_kda_step also keeps the state after single rows (a verify step's drafts, docs/serving.md §9.3): per
+    row of the step, the index of a state slot of these pools (conv [slots, 3 H K, W-1], rec [slots, H, K, K] at
+    the given slot strides) that receives the sequence's state after that row, or -1."""
+
+    c_name = "kda_snapshots"
+    fields = [
+        ("rows", I64S, "[N]"), ("conv", F32_OUT, ""), ("conv_stride", I64, ""), ("rec", F32_OUT, ""),
+        ("rec_stride", I64, ""),
+    ]
+
+
+@_layout
 class MoeBlock(ctypes.Structure):
     """ds_moe_block: a layer's FFN block, routed experts (experts > 0, column-packed stacks; latent > 0: K3's
     latent form around them) and/or a shared or dense gated MLP (shared_width > 0: row packs s*, column packs
@@ -220,6 +233,8 @@ class StackOp(ctypes.Structure):
         ("descriptor", ANY, "the block's *_block"),
         ("conv", F32_OUT, "KDA: the conv state pool"), ("conv_stride", I64, ""),
         ("rec", F32_OUT, "KDA: the recurrent state pool"), ("rec_stride", I64, ""),
+        ("draft_conv", F32_OUT, "KDA: the draft states' conv pool (0: none)"), ("draft_conv_stride", I64, ""),
+        ("draft_rec", F32_OUT, "KDA: the draft states' recurrent pool"), ("draft_rec_stride", I64, ""),
         ("pages", ANY_OUT, "MLA, DSA: the latent rows"), ("ld", I64, ""), ("nrows", I64, ""),
         ("pages_bf16", I64, ""), ("keys", ANY_OUT, "DSA: the index-key rows"), ("ldk", I64, ""),
         ("keys_bf16", I64, ""),
@@ -238,10 +253,11 @@ class StackStep(ctypes.Structure):
         ("slots", I64S, "the KDA state slots [nseq]"), ("rows", I64S, "the sequences' cache rows [N, width]"),
         ("width", I64, ""), ("write_rows", I64S, "the new tokens' cache rows [N]"),
         ("cos_sin", FLOATS, "DeepSeek-V3.2's rotation at the tokens' positions [2, N, rope / 2]"),
+        ("draft_rows", I64S, "KDA: the draft state taking the state after each row [N], -1: none (0: no drafts)"),
     ]
 
 
-STRUCTS = (LinearTask, MxMatrix, KdaBlock, MoeBlock, MlaBlock, DsaBlock, StackOp, StackStep)
+STRUCTS = (LinearTask, MxMatrix, KdaBlock, KdaSnapshots, MoeBlock, MlaBlock, DsaBlock, StackOp, StackStep)
 
 # Every entry point ctypes calls, as C declares it; each is documented where it is defined (native_src/*.c).
 ENTRY_POINTS = """
@@ -268,7 +284,8 @@ void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf1
     int nthreads);
 void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
     const float *conv_w, int64_t W, float *conv, int64_t conv_slot_stride, const float *g, const float *beta,
-    float scale, float *rec, int64_t rec_slot_stride, const int64_t *slots, float *out, int nthreads);
+    float scale, float *rec, int64_t rec_slot_stride, const int64_t *slots, const kda_snapshots *snaps, float *out,
+    int nthreads);
 int ds_qsfa(int64_t T, int64_t H, int64_t r, int64_t rho, const float *q_lat, const float *q_pe, const void *lat,
     int64_t ld, int64_t nrows, int lat_bf16, const int64_t *selected, int64_t nsel, float scale, float *out,
     float *lse, int nthreads);
@@ -283,7 +300,7 @@ void ds_attn_res_mix(const int64_t *src, int64_t S, int64_t N, int64_t D, const 
     float eps, bf16 *out, int nthreads);
 void ds_kda_block(const kda_block *d, const bf16 *xin, const bf16 *r, int64_t N, int64_t nseq,
     const int64_t *cu_rows, const int64_t *slots, float *conv, int64_t conv_stride, float *rec, int64_t rec_stride,
-    bf16 *out, int nthreads);
+    const kda_snapshots *snaps, bf16 *out, int nthreads);
 int ds_moe_block(const moe_block *d, const bf16 *xin, const bf16 *r, int64_t T, bf16 *out, int nthreads);
 int ds_mla_block(const mla_block *d, const bf16 *xin, const bf16 *r, int64_t N, const int64_t *selected,
     int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld, int64_t nrows, int pages_bf16, bf16 *out,

@@ -36,8 +36,9 @@ _ERRORS = {"mla": IndexError, "dsa": IndexError, "ffn": ValueError}
 
 class StepKind(NamedTuple):
     """What a step lets the blocks do. `kda`: every sequence's prefix-cache snapshots fall at the end of its rows
-    (KDA blocks); `decode`: a pure decode step over a paged cache (MLA and DSA blocks); `few`: at most
-    LINEAR_MAX_ROWS rows (DSA blocks, K3's latent-MoE FFN)."""
+    (KDA blocks; draft states may follow any row); `decode`: a decode or verify step over a paged cache, each
+    sequence one token and its drafts (MLA and DSA blocks); `few`: at most LINEAR_MAX_ROWS rows (DSA blocks, K3's
+    latent-MoE FFN)."""
 
     kda: bool
     decode: bool
@@ -49,7 +50,7 @@ class StepKind(NamedTuple):
         takes)."""
         if batch.cache is None or not 0 < rows <= BLOCK_MAX_ROWS:
             return None
-        decode = batch.decode_context_rows is not None and batch.write_rows is not None
+        decode = batch.context_rows is not None and batch.write_rows is not None
         return cls(batch.kda_sequences is not None, decode, rows <= LINEAR_MAX_ROWS)
 
     def takes(self, plan: Plan) -> bool:
@@ -138,8 +139,15 @@ def _cache_fields(plan: Plan, cache) -> dict | None:
     """The op's cache fields (`StackOp`), or None when the cache is not in a layout the block reads."""
     if plan.kind == "kda":
         pools = kda_pools(plan.module, cache)
-        return None if pools is None else dict(conv=pools[0].data_ptr(), conv_stride=pools[0].stride(0),
-                                               rec=pools[1].data_ptr(), rec_stride=pools[1].stride(0))
+        drafts = cache.kda_draft_pool(plan.module.layer)
+        if pools is None or (drafts is not None and not _kda_layout(plan.module, *drafts)):
+            return None
+        fields = dict(conv=pools[0].data_ptr(), conv_stride=pools[0].stride(0), rec=pools[1].data_ptr(),
+                      rec_stride=pools[1].stride(0))
+        if drafts is not None:
+            fields.update(draft_conv=drafts[0].data_ptr(), draft_conv_stride=drafts[0].stride(0),
+                          draft_rec=drafts[1].data_ptr(), draft_rec_stride=drafts[1].stride(0))
+        return fields
     if plan.kind == "mla":
         latent = mla_pages(plan.module, cache)
         return None if latent is None else _page_fields(latent)
@@ -157,14 +165,14 @@ def _page_fields(t: torch.Tensor) -> dict:
 def kda_pools(attn, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The layer's conv and recurrent slot pools when they are in the layout the block reads."""
     pool = cache.kda_slot_pool(attn.layer)
-    if pool is None:
-        return None
-    conv, rec = pool
+    return pool if pool is not None and _kda_layout(attn, *pool) else None
+
+
+def _kda_layout(attn, conv: torch.Tensor, rec: torch.Tensor) -> bool:
+    """Conv and recurrent state pools ([slots, 3, P, W-1], [slots, H, K, K]) in the fp32 CPU layout the block reads."""
     P, W, K = attn.P, attn.W, attn.K
-    if (conv.dtype != torch.float32 or rec.dtype != torch.float32 or conv.device.type != "cpu"
-            or conv.stride()[1:] != (P * (W - 1), W - 1, 1) or rec.stride()[1:] != (K * K, K, 1)):
-        return None
-    return conv, rec
+    return (conv.dtype == torch.float32 and rec.dtype == torch.float32 and conv.device.type == "cpu"
+            and conv.stride()[1:] == (P * (W - 1), W - 1, 1) and rec.stride()[1:] == (K * K, K, 1))
 
 
 def _page_rows(t, width: int) -> bool:
@@ -370,16 +378,18 @@ class Programs:
 def _step_inputs(batch: StepBatch, kind: StepKind, rotary) -> tuple[StackStep, list]:
     """The step's own inputs (`StackStep`) and the tensors they point into; `rotary` is the DSA layers' rotation
     (DeepSeek-V3.2; None for NoPE)."""
-    slots = cu = rows = write = cos_sin = None
+    slots = cu = rows = write = cos_sin = drafts = None
     nseq = batch.num_seqs
     if kind.kda:
         nseq, cu, slots = batch.kda_sequences
+        drafts = batch.kda_draft_rows
     if kind.decode:
-        rows = batch.decode_context_rows
+        rows = batch.context_rows
         write = batch.write_rows.to(torch.int64).contiguous()
         if rotary is not None:
             cos_sin = torch.stack(rotary.cos_sin(batch.positions)).float().contiguous()
-    keep = [t for t in (slots, cu, rows, write, cos_sin) if t is not None]
+    keep = [t for t in (slots, cu, rows, write, cos_sin, drafts) if t is not None]
     step = StackStep(slots=address(slots), nseq=nseq, cu=address(cu), rows=address(rows),
-                     width=0 if rows is None else rows.shape[1], write_rows=address(write), cos_sin=address(cos_sin))
+                     width=0 if rows is None else rows.shape[1], write_rows=address(write), cos_sin=address(cos_sin),
+                     draft_rows=address(drafts))
     return step, keep

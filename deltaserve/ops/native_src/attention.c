@@ -154,12 +154,13 @@ static void delta_rule_token(float *S, int64_t K, const float *ekq, const float 
  * in the core's cache for all of its tokens. Per block of KDA_BLOCK tokens: the inputs converted to fp32 once
  * (not at every use), the convs vectorised over channels, each token's vectors, then the delta rule one sweep over
  * the state a token (delta_sweeps) rather than two passes; the outputs are those of the token-by-token form bit for
- * bit. */
+ * bit. With `snaps` (NULL: none), a row t with snaps->rows[t] >= 0 also leaves the head's state and window after
+ * it in that slot of the snapshot pools (a block then ends at that row). */
 #define KDA_BLOCK 32
 void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
                  const float *conv_w, int64_t W, float *conv, int64_t conv_slot_stride, const float *g,
                  const float *beta, float scale, float *rec, int64_t rec_slot_stride, const int64_t *slots,
-                 float *out, int nthreads) {
+                 const kda_snapshots *snaps, float *out, int nthreads) {
     int64_t P = H * K, C3 = 3 * K;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -198,8 +199,10 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
             }                                                                                                    \
         }                                                                                                        \
     } while (0)
-            for (int64_t i0 = 0; i0 < n; i0 += KDA_BLOCK) {
-                int64_t nb = n - i0 < KDA_BLOCK ? n - i0 : KDA_BLOCK;
+            for (int64_t i0 = 0, nb; i0 < n; i0 += nb) {
+                nb = n - i0 < KDA_BLOCK ? n - i0 : KDA_BLOCK;
+                for (int64_t i = 0; snaps != NULL && i < nb - 1; i++) /* end the block at a snapshot */
+                    if (snaps->rows[t0 + i0 + i] >= 0) nb = i + 1;
                 for (int64_t i = 0; i < nb + W - 1; i++) /* the block's inputs, each converted once */
                     LOAD_INPUT(i0 + i - (W - 1), xin + i * C3);
                 for (int64_t i = 0; i < nb; i++) { /* conv: acc = sum_u w[u] x[i - (W-1) + u] */
@@ -235,13 +238,24 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
                     bt[i] = beta[t * H + h];
                 }
                 float *o = out + ((t0 + i0) * H + h) * K, *v = y + 2 * K;
+                int swept = 0;
 #if defined(__AVX512F__)
-                if (delta_sweeps_k(S, K, nb, pre, v, C3, bt, kq, o, P)) continue;
+                swept = delta_sweeps_k(S, K, nb, pre, v, C3, bt, kq, o, P);
 #endif
-                for (int64_t i = 0; i < nb; i++) { /* the delta rule, token by token */
+                for (int64_t i = 0; !swept && i < nb; i++) { /* the delta rule, token by token */
                     const float *ekq = pre + i * 4 * K;
                     delta_rule_token(S, K, ekq, ekq + K, ekq + 2 * K, ekq + 3 * K, v + i * C3, bt[i], kq[i],
                                      o + i * P, vec);
+                }
+                int64_t snap = snaps != NULL ? snaps->rows[t0 + i0 + nb - 1] : -1;
+                if (snap >= 0) { /* the state and the window (the last W-1 inputs) after the block's last row */
+                    memcpy(snaps->rec + snap * snaps->rec_stride + h * K * K, S, sizeof(float) * (size_t)(K * K));
+                    float *swin = snaps->conv + snap * snaps->conv_stride;
+                    for (int64_t u = 0; u < W - 1; u++) {
+                        LOAD_INPUT(i0 + nb - (W - 1) + u, vec);
+                        for (int j = 0; j < 3; j++)
+                            for (int64_t c = 0; c < K; c++) swin[(j * P + h * K + c) * (W - 1) + u] = vec[j * K + c];
+                    }
                 }
             }
             /* the window keeps the last W-1 inputs, oldest first */

@@ -52,10 +52,11 @@ static void residual_add(const bf16 *r, const bf16 *a, int64_t n, bf16 *out, int
  * q | k | v | f_a | b | g (g: g_a of width K, or the full-rank gate of width H K when d->w_gb is NULL); f_b and
  * g_b are K -> H K, o_proj H K -> D; each weight row-packed (d->w_*) and column-packed (d->c_*, read above
  * LINEAR_MAX_ROWS rows). conv [slots, 3 H K, W-1] and rec [slots, H, K, K] at the given slot strides; slots [nseq]
- * (< 0: padding, no state touched). x, r (NULL: none) and out [N, D] bf16 contiguous. */
+ * (< 0: padding, no state touched); `snaps` (NULL: none): states also kept after single rows, as ds_kda_step.
+ * x, r (NULL: none) and out [N, D] bf16 contiguous. */
 void ds_kda_block(const kda_block *d, const bf16 *xin, const bf16 *r, int64_t N, int64_t nseq,
                   const int64_t *cu_rows, const int64_t *slots, float *conv, int64_t conv_stride, float *rec,
-                  int64_t rec_stride, bf16 *out, int nthreads) {
+                  int64_t rec_stride, const kda_snapshots *snaps, bf16 *out, int nthreads) {
     int64_t D = d->hidden, H = d->heads, K = d->head_dim, W = d->conv_width, NIN = d->in_width, P = H * K;
     int full_rank = d->w_gb == NULL && mx_slot(d->mx, 7) == NULL;
     /* one allocation a buffer: a prefill chunk's scratch in one piece (~50 MiB at 2,048 rows) would pass glibc's
@@ -92,7 +93,7 @@ void ds_kda_block(const kda_block *d, const bf16 *xin, const bf16 *r, int64_t N,
         for (int64_t i = 0; i < N; i++) memcpy(gate + i * P, g_in + i * NIN, sizeof(bf16) * (size_t)P);
     ds_kda_gate(u, P, b, NIN, N, H, K, d->dt_bias, d->a_log, d->lower_bound, g, beta, nthreads);
     ds_kda_step(nseq, cu, H, K, y, NIN, 1, d->conv_w, W, conv, conv_stride, g, beta, d->scale, rec, rec_stride,
-                slots, core, nthreads);
+                slots, snaps, core, nthreads);
     ds_gated_rmsnorm_bf16(core, N * H, K, gate, K, d->onorm_w, d->onorm_eps, o, nthreads);
     product(o, N, P, P, d->w_o, d->c_o, mx_slot(d->mx, 8), D, a, nthreads);
     residual_add(r, a, N * D, out, nthreads);

@@ -86,6 +86,17 @@ typedef struct {
     const mx_matrix *mx; /* [KDA_MX_SLOTS]; 0: bf16 packs */
 } kda_block;
 
+/* Where ds_kda_step also keeps the state after single rows (a verify step's drafts, docs/serving.md §9.3): per row of
+ * the step, the index of a state slot of these pools (conv [slots, 3 H K, W-1], rec [slots, H, K, K] at the given slot
+ * strides) that receives the sequence's state after that row, or -1. */
+typedef struct {
+    const int64_t *rows; /* [N] */
+    float *conv;
+    int64_t conv_stride;
+    float *rec;
+    int64_t rec_stride;
+} kda_snapshots;
+
 /* ds_moe_block: a layer's FFN block, routed experts (experts > 0, column-packed stacks; latent > 0: K3's latent form
  * around them) and/or a shared or dense gated MLP (shared_width > 0: row packs s*, column packs c_s*). */
 typedef struct {
@@ -200,6 +211,10 @@ typedef struct {
     int64_t conv_stride;
     float *rec; /* KDA: the recurrent state pool */
     int64_t rec_stride;
+    float *draft_conv; /* KDA: the draft states' conv pool (0: none) */
+    int64_t draft_conv_stride;
+    float *draft_rec; /* KDA: the draft states' recurrent pool */
+    int64_t draft_rec_stride;
     void *pages; /* MLA, DSA: the latent rows */
     int64_t ld;
     int64_t nrows;
@@ -223,6 +238,7 @@ typedef struct {
     int64_t width;
     const int64_t *write_rows; /* the new tokens' cache rows [N] */
     const float *cos_sin; /* DeepSeek-V3.2's rotation at the tokens' positions [2, N, rope / 2] */
+    const int64_t *draft_rows; /* KDA: the draft state taking the state after each row [N], -1: none (0: no drafts) */
 } stack_step;
 
 void ds_linear_bf16(int64_t M, int64_t K, int64_t ntasks, const linear_task *tasks, int nthreads);
@@ -248,7 +264,8 @@ void ds_rmsnorm_bf16(const bf16 *x, int64_t M, int64_t D, int64_t ldx, const bf1
     int nthreads);
 void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const void *x, int64_t ldx, int x_bf16,
     const float *conv_w, int64_t W, float *conv, int64_t conv_slot_stride, const float *g, const float *beta,
-    float scale, float *rec, int64_t rec_slot_stride, const int64_t *slots, float *out, int nthreads);
+    float scale, float *rec, int64_t rec_slot_stride, const int64_t *slots, const kda_snapshots *snaps, float *out,
+    int nthreads);
 int ds_qsfa(int64_t T, int64_t H, int64_t r, int64_t rho, const float *q_lat, const float *q_pe, const void *lat,
     int64_t ld, int64_t nrows, int lat_bf16, const int64_t *selected, int64_t nsel, float scale, float *out,
     float *lse, int nthreads);
@@ -263,7 +280,7 @@ void ds_attn_res_mix(const int64_t *src, int64_t S, int64_t N, int64_t D, const 
     float eps, bf16 *out, int nthreads);
 void ds_kda_block(const kda_block *d, const bf16 *xin, const bf16 *r, int64_t N, int64_t nseq,
     const int64_t *cu_rows, const int64_t *slots, float *conv, int64_t conv_stride, float *rec, int64_t rec_stride,
-    bf16 *out, int nthreads);
+    const kda_snapshots *snaps, bf16 *out, int nthreads);
 int ds_moe_block(const moe_block *d, const bf16 *xin, const bf16 *r, int64_t T, bf16 *out, int nthreads);
 int ds_mla_block(const mla_block *d, const bf16 *xin, const bf16 *r, int64_t N, const int64_t *selected,
     int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld, int64_t nrows, int pages_bf16, bf16 *out,

@@ -6,7 +6,8 @@
  * Each op is a stack_op (contract.h): its kind (SOP_*), its registers (indices into `regs`, -1: none), the block's
  * descriptor and the fields of its layer's cache; a mix names its query, norm weight, eps and source registers. The
  * step's own inputs, shared by every op, are a stack_step: the sequences, their row offsets and KDA state slots, the
- * decode step's cache rows and new tokens' rows, DeepSeek-V3.2's rotation at the tokens' positions (NULL: none). */
+ * decode step's cache rows and new tokens' rows, DeepSeek-V3.2's rotation at the tokens' positions (NULL: none), and
+ * the draft states a verify step keeps after its rows (NULL: none). */
 #include "kernels.h"
 
 /* Returns 0, or 1 + the index of the op that failed (nothing after it ran): a cache row outside its pages, a
@@ -18,10 +19,15 @@ int64_t ds_run_program(const stack_op *program, int64_t nops, int64_t N, int64_t
         const stack_op *op = program + i;
         int failed = 0;
         switch (op->kind) {
-        case SOP_KDA:
+        case SOP_KDA: {
+            kda_snapshots drafts = {step->draft_rows, op->draft_conv, op->draft_conv_stride, op->draft_rec,
+                                    op->draft_rec_stride};
+            int with_drafts = step->draft_rows != NULL && op->draft_conv != NULL;
             ds_kda_block(op->descriptor, REG(op->x), REG(op->residual), N, step->nseq, step->cu, step->slots, op->conv,
-                         op->conv_stride, op->rec, op->rec_stride, REG(op->out), nthreads);
+                         op->conv_stride, op->rec, op->rec_stride, with_drafts ? &drafts : NULL, REG(op->out),
+                         nthreads);
             break;
+        }
         case SOP_MLA:
             failed = ds_mla_block(op->descriptor, REG(op->x), REG(op->residual), N, step->rows, step->width,
                                   step->write_rows, op->pages, op->ld, op->nrows, (int)op->pages_bf16, REG(op->out),
