@@ -238,6 +238,31 @@ def test_wide_verify_program_equals_the_modules(make_checkpoint, monkeypatch, pr
     assert taken == [True]
 
 
+def test_an_mtp_block_runs_as_a_program(make_checkpoint, monkeypatch):
+    """The backend runs an MTP layer's block (MLA or DSA + FFN, its latent in the pool's drafter layer) as a program
+    of its own: decode steps through it give the modules' outputs and pages (DSA to bf16 rounding)."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint("k31-tiny"))
+    block = model.mtp[0].block
+    dsa = block.self_attn.indexer is not None
+    L = model.config.num_layers
+    caches = [PagedCache(PagePool(model.config, 4, 16, torch.bfloat16, drafter_layers=(L,)),
+                         StateSlots(model.config, 5)) for _ in "ab"]
+    init = (torch.randn(caches[0].pages.latent_rows(L).shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+    for cache in caches:
+        cache.pages.latent_rows(L).copy_(init.to(torch.bfloat16))
+    slots = [1, 0, 3]
+    g = torch.Generator().manual_seed(6)
+    with torch.inference_mode():
+        for step in range(2):
+            u = (torch.randn(len(slots), model.config.hidden_size, generator=g) * 0.5).to(torch.bfloat16)
+            got = backend.run_block(block, u, decode_batch(caches[0], slots, 4 + step, model.config))
+            want = block(u, decode_batch(caches[1], slots, 4 + step, model.config))
+            _assert_same(got, want, dsa, f"step {step}")
+            _assert_same(caches[0].pages.latent_rows(L), caches[1].pages.latent_rows(L), dsa, "latent")
+    assert taken == [True, True]
+
+
 def test_step_kinds(make_checkpoint):
     """What a step lets the blocks do: a decode step (few or many rows), a chunk step, a chunk cut by a snapshot; no
     kind without a cache or past the blocks' rows."""

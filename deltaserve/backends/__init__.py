@@ -34,6 +34,11 @@ class Backend:
         """The pre-norm final hidden states [N, d] of the step's tokens (what `CausalLM.forward` returns)."""
         return model(input_ids, batch)
 
+    def run_block(self, layer: torch.nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """One ordinary pre-norm residual decoder layer outside the stack (an MTP layer's block, models/mtp.py) over
+        `h` [N, d]: what `layer(h, batch)` returns."""
+        return layer(h, batch)
+
     def describe(self) -> dict:
         return {"backend": self.name, "reason": self.reason, "ops": self.ops.name}
 

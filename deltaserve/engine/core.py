@@ -98,7 +98,7 @@ class EngineCore:
         self.prefix = (PrefixCache(self.pages, self.states, self.checkpoints, args.state_checkpoint_interval,
                                    str(model_path.resolve())) if self.checkpoints is not None else None)
         cache = PagedCache(self.pages, self.states, self.checkpoints, self.drafts)
-        self.proposer = (build_proposer(spec, self.model, cache, self.backend.ops, self.drafter, config.num_layers,
+        self.proposer = (build_proposer(spec, self.model, cache, self.backend, self.drafter, config.num_layers,
                                         self.sampler.default_generator()) if spec is not None else None)
         if self.proposer is not None:
             log.info("speculative decoding: %s, up to %d drafts a step", spec.method, k)

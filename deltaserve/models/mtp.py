@@ -33,10 +33,14 @@ class MTPLayer(nn.Module):
 
     def forward(self, embeds: torch.Tensor, h_prev: torch.Tensor, positions: torch.Tensor,
                 batch: StepBatch) -> torch.Tensor:
-        """Pre-norm MTP output h_next [N, d]; the embedding is zeroed at position 0 before its norm."""
+        """Pre-norm MTP output h_next [N, d]."""
+        return self.block(self.block_input(embeds, h_prev, positions), batch)
+
+    def block_input(self, embeds: torch.Tensor, h_prev: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """u [N, d], what the block reads: eh_proj of the normed embedding (zeroed at position 0 before its norm)
+        and the normed previous state."""
         e = embeds.masked_fill((positions == 0).unsqueeze(-1), 0)
-        u = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h_prev)], dim=-1))
-        return self.block(u, batch)
+        return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h_prev)], dim=-1))
 
     def logits(self, h_next: torch.Tensor) -> torch.Tensor:
         return self.shared_head.head(self.shared_head.norm(h_next)).float()

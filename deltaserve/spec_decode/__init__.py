@@ -14,13 +14,13 @@ from .stats import SpecDecodeStats
 from .suffix import SuffixProposer
 
 
-def build_proposer(config: SpeculativeConfig, model=None, cache=None, ops=None, drafter=None,
+def build_proposer(config: SpeculativeConfig, model=None, cache=None, backend=None, drafter=None,
                    drafter_layer: int = 0, default_generator=None) -> Proposer:
-    """The proposer of `config`: MTP drafts with `model`'s MTP layer over `cache` (the engine's PagedCache) with the
-    backend's op set `ops`; DSpark with `drafter` (models/dspark.py), its latent rows in layers `drafter_layer ...`
+    """The proposer of `config`: MTP drafts with `model`'s MTP layer over `cache` (the engine's PagedCache), run by
+    the engine's `backend`; DSpark with `drafter` (models/dspark.py), its latent rows in layers `drafter_layer ...`
     of the page pool, unseeded requests drawing from `default_generator`."""
     if config.method == "mtp":
-        return MTPProposer(model, cache, ops)
+        return MTPProposer(model, cache, backend)
     if config.method == "dspark":
         return DSparkProposer(model, drafter, cache, drafter_layer, default_generator)
     if config.method == "suffix":

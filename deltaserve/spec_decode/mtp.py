@@ -30,12 +30,13 @@ class _Rows(NamedTuple):
 
 
 class MTPProposer(Proposer):
-    """Greedy MTP drafts over `cache` (the engine's PagedCache, whose page pool holds the MTP layer's latent)."""
+    """Greedy MTP drafts over `cache` (the engine's PagedCache, whose page pool holds the MTP layer's latent), the
+    layer's block run by the engine's `backend` (on the native backend, a program like the stack's)."""
 
     reads_hidden = True
 
-    def __init__(self, model, cache, ops):
-        self.model, self.cache, self.ops = model, cache, ops
+    def __init__(self, model, cache, backend):
+        self.model, self.cache, self.backend = model, cache, backend
         self.layer = model.mtp[0]  # its latent cache is layer num_layers of the page pool (engine/core.py)
         self._last: dict[int, tuple[torch.Tensor, int]] = {}  # id(seq) -> (output at its newest row, that position)
 
@@ -116,7 +117,7 @@ class MTPProposer(Proposer):
             handles.append(self.cache.handle(r.seq.block_ids, r.seq.state_slot, r.start + n))
         pos = torch.tensor(positions, dtype=torch.long)
         write_rows = torch.cat([h.rows[c:] for h, c in zip(handles, contexts)])
-        batch = StepBatch(pos, query_start, contexts, self.cache, handles, [], self.ops, None, write_rows)
+        batch = StepBatch(pos, query_start, contexts, self.cache, handles, [], self.backend.ops, None, write_rows)
         embeds = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
         hidden = torch.cat([r.hidden for r in rows]).to(embeds.dtype)
-        return self.layer(embeds, hidden, pos, batch)
+        return self.backend.run_block(self.layer.block, self.layer.block_input(embeds, hidden, pos), batch)

@@ -15,13 +15,14 @@ from ...models.decoder import Eager
 from ...ops.opset import get_ops
 from .. import Backend, adopt
 from .modules import NATIVE_FORMS, kernels_take
-from .program import Programs
+from .program import Programs, SingleLayer
 
 
 class NativeBackend(Backend):
     def __init__(self, reason: str):
         super().__init__("native", reason, get_ops("native"))
         self.programs = Programs()
+        self.layer_programs: dict[int, tuple[SingleLayer, Programs]] = {}  # per layer run by `run_block`
 
     def prepare(self, model: torch.nn.Module) -> str:
         dtype = model.embed_tokens.weight.dtype  # MX modules hold no float weights: the model's dtype decides
@@ -32,4 +33,10 @@ class NativeBackend(Backend):
         h = model.embed_tokens(input_ids)
         out = self.programs.run(model, h, batch)
         return out if out is not None else model.run_layers(h, Eager(batch))
+
+    def run_block(self, layer: torch.nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """The layer as a program of its own (the MTP block's MLA and FFN blocks on the steps they take)."""
+        stack, programs = self.layer_programs.setdefault(id(layer), (SingleLayer(layer), Programs()))
+        out = programs.run(stack, h, batch)
+        return out if out is not None else layer(h, batch)
 

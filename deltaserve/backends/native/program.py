@@ -343,6 +343,20 @@ def _allocate(nodes: list[_Node], output: int) -> tuple[int, dict[int, int]]:
     return registers, assigned
 
 
+class SingleLayer:
+    """One ordinary residual decoder layer outside the stack (an MTP layer's block) as the stack a program is written
+    from: what `Programs.run` reads of a model (`layers`, `modules`, `run_layers`)."""
+
+    def __init__(self, layer: DecoderLayer):
+        self.layers = [layer]
+
+    def modules(self):
+        return self.layers[0].modules()
+
+    def run_layers(self, h, blocks):
+        return self.layers[0].apply(h, blocks)
+
+
 class Programs:
     """A model's programs, one per step kind, written at first use and rewritten when the cache object or a weight
     a program reads changes."""
