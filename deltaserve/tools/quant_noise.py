@@ -34,6 +34,17 @@ def _noisy_linear(x: torch.Tensor, weight: torch.Tensor, scheme: MXScheme) -> to
     return F.linear(x, w)
 
 
+def _sharing(cls, module: nn.Module, attributes: tuple[str, ...], scheme: MXScheme):
+    """An instance of `cls` (a noisy form) holding `module`'s `attributes`, its parameters themselves in its order
+    (so state_dict keys keep theirs), and `scheme`."""
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    for name in attributes:
+        setattr(m, name, getattr(module, name))
+    m.scheme = scheme
+    return m
+
+
 class NoisyLinear(Linear):
     """A dense target linear that, when `noisy` and training, computes as its MX form would."""
 
@@ -42,11 +53,7 @@ class NoisyLinear(Linear):
 
     @classmethod
     def of(cls, linear: Linear, scheme: MXScheme) -> "NoisyLinear":
-        m = cls.__new__(cls)
-        nn.Module.__init__(m)
-        m.in_features, m.out_features, m.weight, m.bias = linear.in_features, linear.out_features, linear.weight, None
-        m.scheme = scheme
-        return m
+        return _sharing(cls, linear, ("in_features", "out_features", "weight", "bias"), scheme)
 
     def forward(self, x):
         if self.noisy and self.training:
@@ -63,12 +70,7 @@ class NoisyExperts(Experts):
 
     @classmethod
     def of(cls, experts: Experts, scheme: MXScheme) -> "NoisyExperts":
-        m = cls.__new__(cls)
-        nn.Module.__init__(m)
-        m.config = experts.config
-        m.w1, m.w3, m.w2 = experts.w1, experts.w3, experts.w2  # Experts' order, so state_dict keys keep theirs
-        m.scheme = scheme
-        return m
+        return _sharing(cls, experts, ("config", "w1", "w3", "w2"), scheme)
 
     def run_expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
         if not (self.noisy and self.training):
