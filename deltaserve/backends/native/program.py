@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...layers.batch import StepBatch
+from ...layers.batch import DraftSlot, StepBatch
 from ...layers.derived import Derived
 from ...models.decoder import AttnResQuery, DecoderLayer, Eager
 from ...ops import native
@@ -266,8 +266,8 @@ class Program:
                         "shape the MoE block does not take)")
             else:
                 regs[seg.node.out_reg].copy_(_run_modules(seg.node, regs, eager))
-        if any(batch.kda_snapshots):
-            for attn in self.kda_modules:
+        if any(not isinstance(target, DraftSlot) for snaps in batch.kda_snapshots for _, target in snaps):
+            for attn in self.kda_modules:  # prefix-cache checkpoints at sequence ends (the blocks wrote the drafts)
                 attn.save_end_snapshots(batch, kda_pools(attn, batch.cache), range(batch.num_seqs))
         return regs[self.output]
 
