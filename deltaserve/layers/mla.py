@@ -144,8 +144,9 @@ class MLAttention(nn.Module):
     def _fusable(self) -> bool:
         """MLAPO needs plain weight matrices (a quantized projection runs through its own module instead) and the
         layer's RoPE use (none for Kimi; both MLA and indexer parts for DeepSeek-V3.2)."""
-        linears = [self.kv_a_proj_with_mqa, self.kv_b_proj, self.indexer.wq_b, self.indexer.wk,
-                   self.indexer.weights_proj, *([self.g_proj] if self.config.mla_use_output_gate else []),
+        ix = self.indexer
+        linears = [self.kv_a_proj_with_mqa, self.kv_b_proj, *([] if ix is None else [ix.wq_b, ix.wk, ix.weights_proj]),
+                   *([self.g_proj] if self.config.mla_use_output_gate else []),
                    *([self.q_proj] if self.config.q_lora_rank is None else [self.q_a_proj, self.q_b_proj])]
         return all(isinstance(m, Linear) for m in linears) and (self.rotary is None or self.config.uses_rope)
 

@@ -119,7 +119,7 @@ def attention_plan(attn: torch.nn.Module, norm: RMSNorm) -> Plan | None:
     if isinstance(attn, KimiDeltaAttention):
         return _kda_plan(attn, norm)
     if isinstance(attn, MLAttention):
-        return _mla_plan(attn, norm) if attn.indexer is None else _dsa_plan(attn, norm)
+        return (_mla_plan(attn, norm) if attn.indexer is None else None) or _dsa_plan(attn, norm)
     return None
 
 
@@ -222,19 +222,22 @@ def _dsa_linears(attn: MLAttention) -> tuple[list[torch.nn.Module], list[torch.n
 def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
     """A DSA layer with query LoRA on the MLAPO path (K3's NoPE; DeepSeek-V3.2's RoPE, the indexer's rotated part
     as wide as the MLA's) with bf16 norms and bf16 weights, or under an MX scheme: q_a, kv_a and the gate all MX, q_b
-    and o_proj each MX or bf16, kv_b and the indexer bf16."""
-    c = attn.config
-    if (c.q_lora_rank is None or not _all_native(attn, norm)
-            or attn.indexer.rope_dim not in (0, attn.rho) or (attn.rotary is not None and not c.uses_rope)):
+    and o_proj each MX or bf16, kv_b and the indexer bf16. K3's MLA layers (query LoRA and output gate, no indexer:
+    the MTP layer's among them) take the same block without its index key, on bf16 weights."""
+    c, ix = attn.config, attn.indexer
+    if (c.q_lora_rank is None or not _all_native(attn, norm) or (ix is not None and ix.rope_dim not in (0, attn.rho))
+            or (attn.rotary is not None and not c.uses_rope)):
         return None
-    ix = attn.indexer
-    if not all(t.dtype == torch.bfloat16 for t in (attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight,
-                                                   ix.k_norm.weight, ix.k_norm.bias)):
+    norms = [attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight, *([] if ix is None else [ix.k_norm.weight,
+                                                                                             ix.k_norm.bias])]
+    if not all(t.dtype == torch.bfloat16 for t in norms):
         return None
     if attn._fusable() and type(attn.o_proj) is NativeLinear:
         attn._fused_weights()  # gathers the layer's parameters: the block's sources
         return Plan("dsa", attn, [norm.weight, *attn._mlapo_sources], lambda: _dsa_descriptor(attn, norm),
                     LINEAR_MAX_ROWS)
+    if ix is None:  # the MX form reads the index rows through w_a
+        return None
     first, rest = _dsa_linears(attn)
     if (not _all_native(*first, *rest) or {type(m) for m in first} != {NativeMXLinear}
             or any(type(m) is not NativeLinear for m in rest[2:])):
@@ -246,28 +249,33 @@ def _dsa_plan(attn: MLAttention, norm: RMSNorm) -> Plan | None:
 
 def _dsa_block(attn: MLAttention, norm: RMSNorm, a_width: int, gate_width: int, **weights: int) -> DsaBlock:
     c, ix = attn.config, attn.indexer
+    index = {} if ix is None else dict(  # no indexer: index_dim 0, every row attended
+        index_dim=ix.head_dim, index_rope=ix.rope_dim, index_heads=ix.heads, index_topk=c.index_topk,
+        index_eps=c.index_norm_eps, index_weight_scale=ix.heads ** -0.5, index_dim_scale=ix.head_dim ** -0.5)
     return DsaBlock(
         hidden=c.hidden_size, heads=attn.H, nope=attn.n, rope=attn.rho, v_dim=attn.v, rank=attn.r,
-        q_rank=c.q_lora_rank, a_width=a_width, gate_width=gate_width, index_dim=ix.head_dim, index_rope=ix.rope_dim,
-        index_heads=ix.heads, index_topk=c.index_topk, norm_w=norm.weight.data_ptr(), eps=norm.eps,
-        q_eps=c.mla_norm_eps, kv_eps=c.mla_norm_eps, index_eps=c.index_norm_eps, scale=attn.scale,
-        index_weight_scale=ix.heads ** -0.5, index_dim_scale=ix.head_dim ** -0.5, **weights)
+        q_rank=c.q_lora_rank, a_width=a_width, gate_width=gate_width, norm_w=norm.weight.data_ptr(), eps=norm.eps,
+        q_eps=c.mla_norm_eps, kv_eps=c.mla_norm_eps, scale=attn.scale, **index, **weights)
 
 
 def _dsa_descriptor(attn: MLAttention, norm: RMSNorm) -> Descriptor | None:
     """The block's descriptor (`DsaBlock`) over bf16 weights; None when the MLAPO weights have no native packs."""
     W = attn._fused_weights().pack_native()
-    if not {"w_a", "q_b_proj", "w_uk_t", "index_wq_b"} <= set(W.packed):
+    if not {"w_a", "q_b_proj", "w_uk_t", *(["index_wq_b"] if W.has_indexer else [])} <= set(W.packed):
         return None
     w_uv, w_o = attn.kv_b_packs(columns=False)[1], attn.o_proj.row_pack()
-    keep = [norm.weight, W.packed["w_a"], W.packed["q_b_proj"], W.packed["w_uk_t"], W.packed["index_wq_b"], w_uv,
-            w_o, W.q_a_norm, W.kv_a_norm, W.index_k_norm_weight, W.index_k_norm_bias]
+    keep = [norm.weight, W.packed["w_a"], W.packed["q_b_proj"], W.packed["w_uk_t"], w_uv, w_o, W.q_a_norm,
+            W.kv_a_norm]
+    index = {}
+    if W.has_indexer:
+        keep += [W.packed["index_wq_b"], W.index_k_norm_weight, W.index_k_norm_bias]
+        index = dict(ik_norm_w=W.index_k_norm_weight.data_ptr(), ik_norm_b=W.index_k_norm_bias.data_ptr(),
+                     w_iq=W.packed["index_wq_b"].data_ptr())
     block = _dsa_block(
         attn, norm, a_width=sum(W.split_a), gate_width=attn.H * attn.v if W.g_proj is not None else 0,
         w_a=W.packed["w_a"].data_ptr(), qa_norm_w=W.q_a_norm.data_ptr(), w_qb=W.packed["q_b_proj"].data_ptr(),
-        kva_norm_w=W.kv_a_norm.data_ptr(), ik_norm_w=W.index_k_norm_weight.data_ptr(),
-        ik_norm_b=W.index_k_norm_bias.data_ptr(), w_uk=W.packed["w_uk_t"].data_ptr(), w_uv=w_uv.data_ptr(),
-        w_o=w_o.data_ptr(), w_iq=W.packed["index_wq_b"].data_ptr())
+        kva_norm_w=W.kv_a_norm.data_ptr(), w_uk=W.packed["w_uk_t"].data_ptr(), w_uv=w_uv.data_ptr(),
+        w_o=w_o.data_ptr(), **index)
     return Descriptor(block, keep)
 
 

@@ -153,8 +153,10 @@ def _cache_fields(plan: Plan, cache) -> dict | None:
         return None if latent is None else _page_fields(latent)
     if plan.kind == "dsa":
         pages = dsa_pages(plan.module, cache)
-        return None if pages is None else dict(**_page_fields(pages[0]), keys=pages[1].data_ptr(),
-                                               ldk=pages[1].stride(0), keys_bf16=int(pages[1].dtype == torch.bfloat16))
+        if pages is None or pages[1] is None:
+            return None if pages is None else _page_fields(pages[0])
+        return dict(**_page_fields(pages[0]), keys=pages[1].data_ptr(), ldk=pages[1].stride(0),
+                    keys_bf16=int(pages[1].dtype == torch.bfloat16))
     return {}
 
 
@@ -188,12 +190,15 @@ def mla_pages(attn, cache) -> torch.Tensor | None:
     return pages[0] if pages is not None and _page_rows(pages[0], attn.r + attn.rho) else None
 
 
-def dsa_pages(attn, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The layer's latent and index-key page rows when both are plain bf16/fp32 rows."""
+def dsa_pages(attn, cache) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The layer's latent and index-key page rows when both are plain bf16/fp32 rows (no keys for a layer without
+    an indexer)."""
     pages = cache.mla_pages(attn.layer)
     if pages is None:
         return None
     latent, keys, scales = pages
+    if attn.indexer is None:  # K3's MLA on the DSA block: the latent rows only
+        return (latent, None) if _page_rows(latent, attn.r + attn.rho) else None
     if scales is not None or not (_page_rows(latent, attn.r + attn.rho) and _page_rows(keys, attn.indexer.head_dim)):
         return None
     return latent, keys

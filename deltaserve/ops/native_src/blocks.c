@@ -361,6 +361,8 @@ static int64_t *index_select(const dsa_block *d, const bf16 *cq, const bf16 *A, 
  * are rotated interleaved and the index key's (and index queries') first IROPE dims half-split, as ops/mlapo.py
  * does. Under MX schemes (d->mx) q_a, kv_a and the gate take one MX pass (slots 0-2; w_a then holds the index
  * rows only), q_b and o_proj each their MX product where their slot is set: each column as the modules' products.
+ * Without an indexer (index_dim 0: K3's MLA layers, query LoRA and output gate, no index key; keys unused) every
+ * selected row is attended.
  * Returns 0, or -1 (nothing written) when a row is not below nrows or a rotation is wider than 512. */
 int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, const int64_t *selected,
                  int64_t nsel, const int64_t *write_rows, void *pages, int64_t ld, int64_t nrows, int pages_bf16,
@@ -378,7 +380,7 @@ int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
         int64_t widths[3] = {RQ, CW, G};
         mx_products(x, N, D, D, d->mx, widths, G > 0 ? 3 : 2, A, NA, 1, nthreads);
         linear_task tail = {.w = d->w_a, .ldw = -1, .n = NA - K0, .y = A + K0, .ldy = NA, .x = x, .ldx = D};
-        ds_linear_bf16(N, D, 1, &tail, nthreads);
+        if (NA > K0) ds_linear_bf16(N, D, 1, &tail, nthreads);
     } else {
         product(x, N, D, D, d->w_a, NULL, NULL, NA, A, nthreads);
     }
@@ -390,7 +392,7 @@ int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
         memcpy(row + i * CW + R, A + i * NA + KV0 + R, sizeof(bf16) * (size_t)RHO);
     }
     const bf16 *kw = d->ik_norm_w, *kb = d->ik_norm_b;
-    for (int64_t i = 0; i < N; i++) { /* the index key: LayerNorm with fp32 statistics */
+    for (int64_t i = 0; DI > 0 && i < N; i++) { /* the index key: LayerNorm with fp32 statistics */
         const bf16 *k = A + i * NA + K0;
         float mean = 0.f, var = 0.f;
         for (int64_t c = 0; c < DI; c++) mean += bf16_to_f32(k[c]);
@@ -409,9 +411,9 @@ int ds_dsa_block(const dsa_block *d, const bf16 *xin, const bf16 *r, int64_t N, 
     for (int64_t i = 0; i < N; i++) {
         if (write_rows[i] < 0) continue;
         store_row(pages, pages_bf16, ld, write_rows[i], row + i * CW, CW);
-        store_row(keys, keys_bf16, ldk, write_rows[i], ik + i * DI, DI);
+        if (DI > 0) store_row(keys, keys_bf16, ldk, write_rows[i], ik + i * DI, DI);
     }
-    int64_t *chosen = nsel > d->index_topk
+    int64_t *chosen = DI > 0 && nsel > d->index_topk
                           ? index_select(d, cq, A, cos_sin, selected, nsel, N, keys, ldk, keys_bf16, nthreads)
                           : NULL;
     int bad = attend_absorbed(q, N, H, NOPE, RHO, R, V, d->w_uk, d->w_uv, chosen ? chosen : selected,
