@@ -15,7 +15,7 @@ from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.moe import Router
 from deltaserve.tools.train import (IndexerInputs, LoadBalancer, attention_mass, build_model,
                                    check_header_completion, evaluate, expert_load, export_model, function_body,
-                                   indexer_loss, indexer_recall, load_initial_weights, mtp_agreement,
+                                   header_prompt, indexer_loss, indexer_recall, load_initial_weights, mtp_agreement,
                                    mtp_loss, report, step_batch, train)
 
 NUM_BPE = 4096 - 256  # the shipped tokenizer's size, so its ids feed the tiny model
@@ -286,3 +286,6 @@ def test_header_completion_checks(completion, body, parses, repeats):
     the completion stops inside it; it must parse with a body; repeats count the completion's complete lines."""
     assert function_body("def f(a):", completion) == body
     assert check_header_completion("def f(a):", completion) == {"parses": parses, "max_line_repeats": repeats}
+    if completion.startswith("\n"):  # the same with the newline in the prompt (`header_prompt`)
+        assert check_header_completion(header_prompt("def f(a):"), completion[1:]) == {
+            "parses": parses, "max_line_repeats": repeats}

@@ -268,6 +268,13 @@ FUNCTION_HEADERS = ("def add(a, b):", "def is_even(n):", "def factorial(n):", "d
 HEADER_COMPLETION_TOKENS = 64
 
 
+def header_prompt(header: str) -> str:
+    """The prompt for a header's completion: the header and the newline after it, as an editor has it when the body
+    is to be written. The tokenizer's pre-split keeps a colon and the newlines after it in one piece ("):\n" is one
+    token), so a prompt that stops at the colon asks for what follows a colon inside a line, not a body."""
+    return header + "\n"
+
+
 def greedy_completion(model: torch.nn.Module, tok, prompt: str, max_tokens: int) -> str:
     """The greedy continuation of ``prompt`` (no BOS, as `deltaserve generate` sends it), one full forward per token
     through the reference path: what an fp32 model produces, independent of the engine."""
@@ -280,9 +287,9 @@ def greedy_completion(model: torch.nn.Module, tok, prompt: str, max_tokens: int)
 
 
 def function_body(header: str, completion: str) -> str:
-    """The function that ``header`` + ``completion`` defines: the header line and the lines after it that are blank or
-    indented, up to the first that is neither; when the completion ends inside the function, its last line (which the
-    token limit may have cut) is dropped."""
+    """The function that ``header`` + ``completion`` defines (the header with or without its newline): the header line
+    and the lines after it that are blank or indented, up to the first that is neither; when the completion ends
+    inside the function, its last line (which the token limit may have cut) is dropped."""
     first, *rest = (header + completion).split("\n")
     body, ended = [], False
     for line in rest:
@@ -328,9 +335,9 @@ def report(model_dir: Path) -> dict:
            "mtp_greedy_agreement": mtp_agreement(model, val, windows=16),
            "indexer_recall_1k": sum(indexer_recall(model, val[i * 1024:], 1024) for i in range(4)) / 4,
            "expert_load_max_over_mean": [round(v, 3) for v in expert_load(model, val)],
-           "function_headers": [{"header": h, "completion": (c := greedy_completion(model, tok, h,
-                                                                                   HEADER_COMPLETION_TOKENS)),
-                                 **check_header_completion(h, c)} for h in FUNCTION_HEADERS]}
+           "function_headers": [{"prompt": (p := header_prompt(h)),
+                                 "completion": (c := greedy_completion(model, tok, p, HEADER_COMPLETION_TOKENS)),
+                                 **check_header_completion(p, c)} for h in FUNCTION_HEADERS]}
 
 
 class LoadBalancer:
@@ -704,8 +711,8 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
 
     res = train(model, tokens, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                seed=args.seed, warmup=args.warmup, state_path=args.work / "state.safetensors", ckpt_every=args.ckpt_every,
-                on_checkpoint=on_checkpoint, deadline=deadline, mtp_weight=args.mtp_weight,
+                seed=args.seed, warmup=args.warmup, state_path=args.work / "state.safetensors",
+                ckpt_every=args.ckpt_every, on_checkpoint=on_checkpoint, deadline=deadline, mtp_weight=args.mtp_weight,
                 balance_rate=args.balance_rate, indexer_weight=args.indexer_weight, quant_noise=noise)
     print(f"done: {res['step']} steps, {res['tokens_seen']} tokens, {res['seconds']:.0f}s")
 
