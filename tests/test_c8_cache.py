@@ -104,19 +104,27 @@ def test_c8_fast_ops_equal_reference_ops(make_checkpoint):
 
 @pytest.mark.slow
 def test_c8_greedy_agreement_with_model_dtype_cache():
-    """Greedy tokens with the C8 cache (latent and indexer keys in 8 bits) match the model-dtype cache on >= 95% of
-    positions over a fixed prompt set. Measured on the trained default model (a K3.1 model: KDA + DSA + AttnRes +
-    latent MoE): the random tiny presets have near-uniform next-token distributions (top-2 logprob gaps ~0.1), so
-    any rounding flips their argmax and agreement there says nothing about the cache."""
+    """Greedy tokens with the C8 cache (latent and indexer keys in 8 bits) against the model-dtype cache over a fixed
+    prompt set: at least 5 of the 6 sequences identical, and where one differs, it first differs at a near-tie of the
+    model-dtype run (its top-2 logprobs within 0.1 nats), a choice an 8-bit rounding of the context may flip; after
+    that the two sequences continue from different tokens, so positions after a flip say nothing about the cache.
+    Measured on the trained default model (a K3.1 model: KDA + DSA + AttnRes + latent MoE): the random tiny presets
+    have near-uniform next-token distributions (top-2 logprob gaps ~0.1), so any rounding flips their argmax and
+    agreement there says nothing about the cache."""
     text = (default_model_path().parent / "validation.txt").read_text()
     prompts = [text[s:s + 300] for s in (0, 9000, 21000, 33000, 47000, 60000)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     runs = {}
     for kv in ("auto", "int8", "fp8"):
         llm = LLM(None, kv_cache_dtype=kv, max_num_batched_tokens=256, kv_cache_memory="64MiB")
-        runs[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runs[kv] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert_pools_free(llm.engine)
-    total = sum(map(len, runs["auto"]))
     for kv in ("int8", "fp8"):
-        same = sum(a == b for x, y in zip(runs["auto"], runs[kv]) for a, b in zip(x, y))
-        assert same >= 0.95 * total, (kv, same, total)
+        differ = 0
+        for base, c8 in zip(runs["auto"], runs[kv]):
+            first = next((i for i, (a, b) in enumerate(zip(base.token_ids, c8.token_ids)) if a != b), None)
+            if first is not None:
+                differ += 1
+                (_, top1), (_, top2) = base.logprobs[first].top[:2]
+                assert top1 - top2 < 0.1, (kv, first, top1 - top2)
+        assert differ <= 1, (kv, differ)

@@ -1,5 +1,5 @@
-"""The shipped default model (deltaserve/data/default_model): files, tokenizer, and validation perplexity against
-the figure in README.md ("Default model" section)."""
+"""The shipped default model (deltaserve/data/default_model): files, tokenizer, perplexities on the two held-out texts
+against the figures in README.md ("Default model" section), the function-header completions the README shows."""
 
 import base64
 import math
@@ -17,7 +17,8 @@ from deltaserve.tools import corpus
 from deltaserve.tools.make_model import build_random
 from deltaserve.tools.presets import get_preset
 from deltaserve.tools.tokenizer_files import _bpe_parts
-from deltaserve.tools.train import evaluate
+from deltaserve.tools.train import (FUNCTION_HEADERS, HEADER_COMPLETION_TOKENS, check_header_completion, evaluate,
+                                   greedy_completion, header_prompt)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 EVAL_SEQ_LEN, EVAL_TOKENS = 256, 8192  # the fixed slice: the first 32 windows of 256(+1) validation tokens
@@ -82,25 +83,47 @@ def test_validation_perplexity(model_dir, val_ids):
     assert fresh_ppl >= 10 * ppl, (fresh_ppl, ppl)
 
 
-def greedy(model, tok, prompt: str, max_tokens: int) -> str:
-    ids = tok.encode(prompt)
-    out = []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            nxt = int(model.reference_logits(torch.tensor(ids + out)).float()[-1].argmax())
-            out.append(nxt)
-    return tok.decode(out)
-
-
 def test_readme_fibonacci_completion(model_dir):
-    """README shows the greedy completion of `def fibonacci(n):` as `deltaserve generate --dtype float32` makes it."""
+    """README shows the greedy completion of `def fibonacci(n):` and its newline as `deltaserve generate --dtype
+    float32` makes it."""
     model = deltaserve.load_model(model_dir, dtype="float32")
     tok = deltaserve.load_tokenizer(model_dir)
     text = README.read_text(encoding="utf-8")
     m = re.search(r"<!-- fibonacci-completion -->\n```python\n(.*?)\n```", text, re.S)
     assert m, "README.md has no fibonacci completion block"
     shown = m.group(1)
-    assert shown.startswith("def fibonacci(n):")
-    completion = greedy(model, tok, "def fibonacci(n):", 48)
-    produced = "def fibonacci(n):" + completion
+    prompt = header_prompt("def fibonacci(n):")
+    assert shown.startswith(prompt)
+    produced = prompt + greedy_completion(model, tok, prompt, 48)
     assert produced.startswith(shown) or shown.startswith(produced)
+
+
+def test_whole_held_out_perplexities(model_dir):
+    """Perplexity over the whole validation text and the whole second held-out text (CPython's own tests), windows
+    of 256 tokens, as `train --report` measures them: each within 5% of the README's figure and below the previous
+    default model's on the same text (the README gives both)."""
+    trained = deltaserve.load_model(model_dir, dtype="float32")
+    tok = deltaserve.load_tokenizer(model_dir)
+    for name, text in (("val-ppl-whole", corpus.validation_text()), ("cpython-tests-ppl", corpus.test_suite_text())):
+        ids = tok.encode(text)
+        ppl = math.exp(evaluate(trained, ids, max_tokens=len(ids)))
+        shown, previous = float(_readme_figure(name)), float(_readme_figure(f"{name}-previous"))
+        print(f"{name}: {ppl:.2f} (README {shown}, previous model {previous})")
+        assert abs(ppl - shown) <= 0.05 * shown, (name, ppl, shown)
+        assert ppl < previous, (name, ppl, previous)
+
+
+def test_readme_header_completions(model_dir):
+    """README shows the greedy completions (fp32, 64 tokens) of the six headers `train --report` checks, each
+    prompted with its newline, exactly as produced, and says which of them parse."""
+    model = deltaserve.load_model(model_dir, dtype="float32")
+    tok = deltaserve.load_tokenizer(model_dir)
+    prompts = [header_prompt(h) for h in FUNCTION_HEADERS]
+    produced = [p + greedy_completion(model, tok, p, HEADER_COMPLETION_TOKENS) for p in prompts]
+    m = re.search(r"<!-- header-completions -->\n```text\n(.*?)\n```", README.read_text(encoding="utf-8"), re.S)
+    assert m, "README.md has no header completions block"
+    assert m.group(1) == "\n\n".join(produced)
+    said = re.search(r"whether the function each defines parses: ([^)]*)\)", README.read_text(encoding="utf-8"))
+    checks = [check_header_completion(p, text[len(p):]) for p, text in zip(prompts, produced)]
+    assert said.group(1).split() == [("parses," if c["parses"] else "no,") for c in checks[:-1]] + [
+        "parses" if checks[-1]["parses"] else "no"]
