@@ -120,10 +120,10 @@ def test_readme_header_completions(model_dir):
     tok = deltaserve.load_tokenizer(model_dir)
     prompts = [header_prompt(h) for h in FUNCTION_HEADERS]
     produced = [p + greedy_completion(model, tok, p, HEADER_COMPLETION_TOKENS) for p in prompts]
-    m = re.search(r"<!-- header-completions -->\n```text\n(.*?)\n```", README.read_text(encoding="utf-8"), re.S)
+    text = README.read_text(encoding="utf-8")
+    m = re.search(r"<!-- header-completions -->\n```text\n(.*?)\n```", text, re.S)
     assert m, "README.md has no header completions block"
     assert m.group(1) == "\n\n".join(produced)
-    said = re.search(r"whether the function each defines parses: ([^)]*)\)", README.read_text(encoding="utf-8"))
-    checks = [check_header_completion(p, text[len(p):]) for p, text in zip(prompts, produced)]
-    assert said.group(1).split() == [("parses," if c["parses"] else "no,") for c in checks[:-1]] + [
-        "parses" if checks[-1]["parses"] else "no"]
+    said = re.search(r"whether the function each defines parses: ([^)]*)\)", text)
+    checks = [check_header_completion(p, out[len(p):]) for p, out in zip(prompts, produced)]
+    assert " ".join(said.group(1).split()) == ", ".join("parses" if c["parses"] else "no" for c in checks)

@@ -4,6 +4,7 @@ seeded draw."""
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -104,10 +105,14 @@ def test_draws_are_seeded_and_follow_p():
     assert 0.24 < share < 0.36, share
 
 
-def test_training_with_noise_changes_the_steps_and_still_learns():
+@pytest.fixture(scope="module")
+def text() -> torch.Tensor:
+    return torch.tensor(deltaserve.load_tokenizer(default_model_path()).encode(corpus.validation_text()[:20_000]))
+
+
+def test_training_with_noise_changes_the_steps_and_still_learns(text):
     """The same run with noise differs (the layers really run quantised) and still lowers the loss; the exported
     parameter names are the plain model's."""
-    text = torch.tensor(deltaserve.load_tokenizer(default_model_path()).encode(corpus.validation_text()[:20_000]))
     plain, noisy = _model(), _model()
     names = list(plain.state_dict())
     before = evaluate(noisy, text[:257], seq_len=64, max_tokens=256)
@@ -127,9 +132,8 @@ def test_training_with_noise_changes_the_steps_and_still_learns():
         assert torch.equal(noisy(text[:64], step_batch(1, 64)), twin(text[:64], step_batch(1, 64)))
 
 
-def test_a_noisy_run_resumes_exactly(tmp_path):
+def test_a_noisy_run_resumes_exactly(text, tmp_path):
     """The noise's draws are part of the training state: a run interrupted and resumed takes the same steps."""
-    text = torch.tensor(deltaserve.load_tokenizer(default_model_path()).encode(corpus.validation_text()[:20_000]))
     kw = dict(steps=10, batch=2, seq_len=64, lr=1e-2, seed=0, warmup=2, progress=False)
 
     def run(**more):

@@ -176,15 +176,15 @@ def training_documents(which: str = "core") -> list[str]:
 def manifest(which: str = "core") -> dict:
     """What the corpus is made of: the Python version, and per package its version, licence, whether its tests are
     read, and the files and bytes it gives the training set."""
-    packages = []
-    for name in PACKAGES:
-        texts = [t for rel, p in package_files(name) if not is_validation(rel) and (t := _read(p)) and not is_table(t)]
-        packages.append({"name": name, "version": importlib.metadata.version(name), "licence": package_licence(name),
-                         "tests": False, "files": len(texts), "bytes": sum(len(t.encode()) for t in texts)})
-    for name in EXTRA_PACKAGES if which == "extended" else ():
-        texts = [t for _, t in extra_package_texts(name)]
-        packages.append({"name": name, "version": importlib.metadata.version(name), "licence": package_licence(name),
-                         "tests": True, "files": len(texts), "bytes": sum(len(t.encode()) for t in texts)})
+    def entry(name: str, texts: list[str], tests: bool) -> dict:
+        return {"name": name, "version": importlib.metadata.version(name), "licence": package_licence(name),
+                "tests": tests, "files": len(texts), "bytes": sum(len(t.encode()) for t in texts)}
+
+    packages = [entry(name, [t for rel, p in package_files(name)
+                             if not is_validation(rel) and (t := _read(p)) and not is_table(t)], False)
+                for name in PACKAGES]
+    packages += [entry(name, [t for _, t in extra_package_texts(name)], True)
+                 for name in (EXTRA_PACKAGES if which == "extended" else ())]
     return {"python": sysconfig.get_python_version(), "corpus": which, "packages": packages}
 
 

@@ -16,6 +16,7 @@ interrupted run still leaves usable weights.
 from __future__ import annotations
 
 import argparse
+import ast
 import base64
 import json
 import math
@@ -30,8 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..layers.quantized import get_scheme
 from ..layers.batch import StepBatch
+from ..layers.quantized import get_scheme
 from ..ops.indexer import indexer_scores_ref
 from ..tokenizer.base import CHAR_TO_BYTE
 from .make_model import _save_sharded, build_random, checkpoint_tensors
@@ -305,8 +306,6 @@ def function_body(header: str, completion: str) -> str:
 def check_header_completion(header: str, completion: str) -> dict:
     """Whether the function a completion gives parses as Python with a body (`ast`), and how often its most repeated
     non-blank line occurs in the whole completion (a looping model repeats one line)."""
-    import ast
-
     text = function_body(header, completion)
     try:
         parses = len(ast.parse(text).body[0].body) > 0
@@ -622,7 +621,7 @@ def main(argv: list[str] | None = None) -> None:
                          "expert load) as JSON and exit")
     ap.add_argument("--write-validation", action="store_true",
                     help="(re)write deltaserve/data/validation.txt and deltaserve/data/cpython_tests.txt")
-    ap.add_argument("--corpus", choices=("core", "extended"), default="core",
+    ap.add_argument("--corpus", choices=corpus.CORPORA, default="core",
                     help="core: the standard library and PACKAGES; extended: also EXTRA_PACKAGES with their tests "
                          "(deltaserve.tools.corpus)")
     ap.add_argument("--init", type=Path, default=None, metavar="STATE_OR_MODEL",

@@ -119,7 +119,7 @@ def attention_plan(attn: torch.nn.Module, norm: RMSNorm) -> Plan | None:
     if isinstance(attn, KimiDeltaAttention):
         return _kda_plan(attn, norm)
     if isinstance(attn, MLAttention):
-        return (_mla_plan(attn, norm) if attn.indexer is None else None) or _dsa_plan(attn, norm)
+        return _mla_plan(attn, norm) or _dsa_plan(attn, norm)  # Kimi-Linear's MLA form, else the DSA block's
     return None
 
 

@@ -153,10 +153,13 @@ def _cache_fields(plan: Plan, cache) -> dict | None:
         return None if latent is None else _page_fields(latent)
     if plan.kind == "dsa":
         pages = dsa_pages(plan.module, cache)
-        if pages is None or pages[1] is None:
-            return None if pages is None else _page_fields(pages[0])
-        return dict(**_page_fields(pages[0]), keys=pages[1].data_ptr(), ldk=pages[1].stride(0),
-                    keys_bf16=int(pages[1].dtype == torch.bfloat16))
+        if pages is None:
+            return None
+        latent, keys = pages
+        fields = _page_fields(latent)
+        if keys is not None:  # a layer with an indexer
+            fields.update(keys=keys.data_ptr(), ldk=keys.stride(0), keys_bf16=int(keys.dtype == torch.bfloat16))
+        return fields
     return {}
 
 

@@ -199,6 +199,13 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
             }                                                                                                    \
         }                                                                                                        \
     } while (0)
+            /* the window after sequence row `last` (its last W-1 inputs, oldest first) into window `dst` */
+#define STORE_WINDOW(dst, last)                                                                                  \
+    for (int64_t u = 0; u < W - 1; u++) {                                                                        \
+        LOAD_INPUT((last) - (W - 2) + u, vec);                                                                   \
+        for (int j = 0; j < 3; j++)                                                                              \
+            for (int64_t c = 0; c < K; c++) (dst)[(j * P + h * K + c) * (W - 1) + u] = vec[j * K + c];           \
+    }
             for (int64_t i0 = 0, nb; i0 < n; i0 += nb) {
                 nb = n - i0 < KDA_BLOCK ? n - i0 : KDA_BLOCK;
                 for (int64_t i = 0; snaps != NULL && i < nb - 1; i++) /* end the block at a snapshot */
@@ -248,22 +255,13 @@ void ds_kda_step(int64_t nseq, const int64_t *cu, int64_t H, int64_t K, const vo
                                      o + i * P, vec);
                 }
                 int64_t snap = snaps != NULL ? snaps->rows[t0 + i0 + nb - 1] : -1;
-                if (snap >= 0) { /* the state and the window (the last W-1 inputs) after the block's last row */
+                if (snap >= 0) { /* the state and the window after the block's last row */
                     memcpy(snaps->rec + snap * snaps->rec_stride + h * K * K, S, sizeof(float) * (size_t)(K * K));
-                    float *swin = snaps->conv + snap * snaps->conv_stride;
-                    for (int64_t u = 0; u < W - 1; u++) {
-                        LOAD_INPUT(i0 + nb - (W - 1) + u, vec);
-                        for (int j = 0; j < 3; j++)
-                            for (int64_t c = 0; c < K; c++) swin[(j * P + h * K + c) * (W - 1) + u] = vec[j * K + c];
-                    }
+                    STORE_WINDOW(snaps->conv + snap * snaps->conv_stride, i0 + nb - 1)
                 }
             }
-            /* the window keeps the last W-1 inputs, oldest first */
-            for (int64_t u = 0; u < W - 1; u++) {
-                LOAD_INPUT(n - (W - 1) + u, xin);
-                for (int j = 0; j < 3; j++)
-                    for (int64_t c = 0; c < K; c++) win[(j * P + h * K + c) * (W - 1) + u] = xin[j * K + c];
-            }
+            STORE_WINDOW(win, n - 1) /* the slot's window after the sequence's last row */
+#undef STORE_WINDOW
 #undef LOAD_INPUT
         }
         free(hist);
