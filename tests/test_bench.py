@@ -85,6 +85,21 @@ def test_spec_on_the_default_model(tmp_path):
         assert r["identical"] == 1.0
 
 
+def test_spec_prompts_are_never_reused():
+    """Every batch of every round gets windows of its own (the suffix proposer would otherwise draft a prompt's
+    answer from its earlier run), the warm-up one too, all of the asked length."""
+    from deltaserve.engine.config import EngineArgs
+    from deltaserve.engine.llm_engine import LLMEngine
+    from deltaserve.tools.bench_spec import spec_prompts
+
+    warm, batches = spec_prompts(LLMEngine(EngineArgs(kv_cache_memory="64MiB")), [1, 8, 32], 3, 128)
+    assert sorted(batches) == [(b, r) for b in (1, 8, 32) for r in range(3)]
+    prompts = warm + [p for batch in batches.values() for p in batch]
+    assert len(prompts) == 1 + 3 * 41 and all(len(p) == 128 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == len(prompts)
+    assert all(len(batches[b, r]) == b for b, r in batches)
+
+
 def test_long_context_beyond_the_checkpoint_limit(tmp_path, k31_tiny):
     """k31-tiny allows 4096 positions; 4608 runs through the stretched view. KDA state bytes stay constant while
     latent and indexer bytes grow with the context."""

@@ -263,6 +263,47 @@ def test_an_mtp_block_runs_as_a_program(make_checkpoint, monkeypatch):
     assert taken == [True, True]
 
 
+def test_an_mtp_catch_up_of_several_rows_runs_as_a_program(make_checkpoint, monkeypatch):
+    """The MTP proposer's catch-up (several new positions of a sequence, no KDA state: `StepBatch.decode_form`)
+    runs as a program whose rows attend in the decode form: its outputs and pages are those of the rows run one
+    position at a time."""
+    taken = count_programs(monkeypatch)
+    model, backend = native_model(make_checkpoint("k31-tiny"))
+    block = model.mtp[0].block
+    assert block.self_attn.indexer is None  # K3.1's MTP block: gated MLA, bit for bit
+    L = model.config.num_layers
+    caches = [PagedCache(PagePool(model.config, 4, 16, torch.bfloat16, drafter_layers=(L,)),
+                         StateSlots(model.config, 4)) for _ in "ab"]
+    init = (torch.randn(caches[0].pages.latent_rows(L).shape, generator=torch.Generator().manual_seed(3)) * 0.1)
+    for cache in caches:
+        cache.pages.latent_rows(L).copy_(init.to(torch.bfloat16))
+    seqs = [(1, 5, 3), (3, 2, 1)]  # (page, first position, rows)
+
+    def catch_up(cache, seqs, decode_form):
+        positions, starts, handles, write = [], [0], [], []
+        for page, first, n in seqs:
+            positions += range(first, first + n)
+            starts.append(starts[-1] + n)
+            handles.append(SeqHandle(page, torch.arange(16 * page, 16 * page + first + n)))
+            write += range(16 * page + first, 16 * page + first + n)
+        return StepBatch(torch.tensor(positions), starts, [f for _, f, _ in seqs], cache, handles,
+                         ops=get_ops("native"), write_rows=torch.tensor(write), decode_form=decode_form)
+
+    u = (torch.randn(4, model.config.hidden_size, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    assert catch_up(caches[0], seqs, False).context_rows is None  # without the flag: a prefill chunk's form
+    with torch.inference_mode():
+        batch = catch_up(caches[0], seqs, True)
+        assert StepKind.of(batch, 4).decode
+        got = backend.run_block(block, u, batch)
+        want = torch.empty_like(got)
+        for r, rows in enumerate([[0, 3], [1], [2]]):
+            live = [(page, first + r, 1) for page, first, n in seqs if r < n]
+            want[rows] = backend.run_block(block, u[rows], catch_up(caches[1], live, True))
+    assert torch.equal(got, want)
+    assert torch.equal(caches[0].pages.latent_rows(L), caches[1].pages.latent_rows(L))
+    assert all(taken) and len(taken) == 4
+
+
 def test_step_kinds(make_checkpoint):
     """What a step lets the blocks do: a decode step (few or many rows), a chunk step, a chunk cut by a snapshot; no
     kind without a cache or past the blocks' rows."""

@@ -88,6 +88,9 @@ class StepBatch:
     ops: OpSet = field(default_factory=lambda: get_ops("fast"))
     index_meta: StepIndexMeta | None = None  # DSA indexer metadata for paged fast ops, built once per step
     write_rows: torch.Tensor | None = None  # [N] flat page row of each new token (paged caches), built once per step
+    # every row attends in the decode form (`context_rows`) whatever its sequence's row count: for callers whose
+    # layers keep no KDA state, as the MTP block's catch-up of several positions
+    decode_form: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -142,7 +145,7 @@ class StepBatch:
         """[N, max position + 1] int64: per row, the flat cache rows of its sequence's positions up to its own, -1
         padded, when every sequence of this step over a paged cache (handles with `rows`) computes one token, or one
         token and the drafts after it whose KDA states it keeps (a verify step, whose rows then attend causally to
-        each other's cache rows); else None. Built once per step, read by the native program's MLA and DSA blocks,
+        each other's cache rows), or any rows when `decode_form` says so; else None. Built once per step, read by the native program's MLA and DSA blocks,
         which write every row's cache row before any row attends."""
         B = self.num_seqs
         if B == 0 or self.cache is None or len(self.handles) != B:
@@ -150,10 +153,10 @@ class StepBatch:
         rows = [getattr(h, "rows", None) for h in self.handles]
         if any(r is None for r in rows):
             return None
-        for i in range(B):
-            drafts = sum(isinstance(target, DraftSlot) for _, target in self.snapshots(i))
-            if self.rows(i).stop - self.rows(i).start != 1 + drafts:
-                return None
+        if not self.decode_form and any(
+                self.rows(i).stop - self.rows(i).start != 1 + sum(isinstance(t, DraftSlot) for _, t in self.snapshots(i))
+                for i in range(B)):
+            return None
         lengths = (self.positions + 1).tolist()
         out = torch.full((len(lengths), max(lengths)), -1, dtype=torch.int64)
         for i in range(B):

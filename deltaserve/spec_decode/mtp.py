@@ -117,7 +117,8 @@ class MTPProposer(Proposer):
             handles.append(self.cache.handle(r.seq.block_ids, r.seq.state_slot, r.start + n))
         pos = torch.tensor(positions, dtype=torch.long)
         write_rows = torch.cat([h.rows[c:] for h, c in zip(handles, contexts)])
-        batch = StepBatch(pos, query_start, contexts, self.cache, handles, [], self.backend.ops, None, write_rows)
+        batch = StepBatch(pos, query_start, contexts, self.cache, handles, [], self.backend.ops, None, write_rows,
+                          decode_form=True)
         embeds = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
         hidden = torch.cat([r.hidden for r in rows]).to(embeds.dtype)
         return self.backend.run_block(self.layer.block, self.layer.block_input(embeds, hidden, pos), batch)

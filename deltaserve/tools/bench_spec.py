@@ -2,7 +2,8 @@
 and written with --json, never asserted).
 
 Workload: at each --batch-sizes B, B windows of --input-len tokens of the shipped validation text (real Python: what
-the default model completes), each continued for --output-len tokens (greedy, ignore_eos). The engine without
+the default model completes), each continued for --output-len tokens (greedy, ignore_eos); no window serves twice
+(batches, rounds and the warm-up all differ), so the suffix proposer's response cache never holds a prompt's answer. The engine without
 speculation stays loaded; for every proposer (--speculative-configs, vLLM's JSON each) an engine is built and, in
 each of --rounds rounds, every batch size runs on both engines back to back (which goes first alternates): the
 machine's bandwidth moves from minute to minute, so each figure has its twin taken seconds from it. Per proposer and
@@ -47,21 +48,30 @@ def decode_run(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag
     return run
 
 
+def spec_prompts(engine: LLMEngine, batch_sizes: list[int], rounds: int,
+                 input_len: int) -> tuple[list[list[int]], dict[tuple[int, int], list[list[int]]]]:
+    """The warm-up prompt and each (batch size, round)'s prompts, no window twice: the suffix proposer caches
+    responses, and a prompt whose answer it has seen would be drafted from that answer."""
+    windows = iter(validation_windows(engine, rounds * sum(batch_sizes) + 1, input_len))
+    warm = [next(windows)]
+    return warm, {(batch, r): [next(windows) for _ in range(batch)] for batch in batch_sizes for r in range(rounds)}
+
+
 def run_spec(args: argparse.Namespace) -> str:
     if args.output_len < 2:
         raise SystemExit("bench spec: --output-len must be >= 2 to time decoding")
     configs = [SpeculativeConfig.parse(text) for text in args.speculative_configs]
     base = LLMEngine(replace(EngineArgs.from_cli(args, args.model), speculative_config=None))
-    warm = validation_windows(base, 1, args.input_len, first=max(args.batch_sizes))
+    warm, batches = spec_prompts(base, args.batch_sizes, args.rounds, args.input_len)
     results = []
     for config in configs:
         engine = LLMEngine(replace(EngineArgs.from_cli(args, args.model), speculative_config=config.to_dict()))
         for e in (base, engine):
             decode_run(e, warm, 4, "warm")
         for batch in args.batch_sizes:
-            prompts = validation_windows(base, batch, args.input_len)
             rounds = []
             for r in range(args.rounds):
+                prompts = batches[batch, r]
                 order = [(base, "base"), (engine, "spec")]
                 pair = {name: decode_run(e, prompts, args.output_len, f"{name}{batch}-{r}")
                         for e, name in (order if r % 2 == 0 else order[::-1])}
