@@ -35,13 +35,18 @@ class CliParser(argparse.ArgumentParser):
 
 def _make_model(args: argparse.Namespace) -> int:
     from .config import ModelConfig
-    from .tools.accounting import account, format_accounting
+    from .distributed import ParallelConfig
+    from .tools.accounting import account, account_ranks, format_accounting, format_rank_accounting
     from .tools.make_model import write_checkpoint
     from .tools.presets import get_preset
 
     preset = get_preset(args.preset)
     if args.meta:
-        print(format_accounting(preset.name, account(ModelConfig.from_dict(preset.config))))
+        config = ModelConfig.from_dict(preset.config)
+        print(format_accounting(preset.name, account(config)))
+        if args.tensor_parallel_size > 1:
+            parallel = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel)
+            print(format_rank_accounting(preset.name, account_ranks(config, parallel)))
         return 0
     if args.out is None:
         print("make-model: OUT folder is required unless --meta is given", file=sys.stderr)
@@ -100,6 +105,10 @@ def build_parser() -> CliParser:
     mm.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="dtype of the stored weights (default: the preset's, bfloat16)")
     mm.add_argument("--meta", action="store_true", help="build on the meta device and print the accounting")
+    mm.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="with --meta: also print what each of this many ranks holds")
+    mm.add_argument("--enable-expert-parallel", action="store_true",
+                    help="with --meta: routed experts placed whole across the ranks, not split in width")
     mm.add_argument("--mxfp4-experts", action="store_true", help="routed experts in mxfp4-pack-quantized layout")
     mm.add_argument("--shard-size-mb", type=float, default=2048.0, help="largest safetensors shard, in MiB")
     mm.set_defaults(func=_make_model)

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "deltaserve"
 RANKS = {
     "errors": 0, "envs": 0, "version": 0,
     "config": 1, "tokenizer": 1, "default_model": 1,
-    "ops": 2,
+    "ops": 2, "distributed": 2,
     "layers": 3, "chat": 3,
     "models": 4, "cache": 4,
     "backends": 5, "spec_decode": 5,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
 
 from ..config import ModelConfig
+from ..distributed import ParallelConfig, component, local_shape, split_dim
 from ..models.registry import model_class
 
 _FP32 = ("A_log", "dt_bias", "_conv1d.weight", "e_score_correction_bias")
@@ -16,6 +18,61 @@ MXFP4_BYTES_PER_PARAM = 0.5 + 1 / 32  # E2M1 element + one E8M0 scale per 32
 def _routed_mxfp4(config: ModelConfig) -> bool:
     q = config.quantization_config or {}
     return q.get("format") == "mxfp4-pack-quantized"
+
+
+def _bytes_per_param(name: str, config: ModelConfig) -> float:
+    if name.endswith(("experts.w1", "experts.w2", "experts.w3")) and _routed_mxfp4(config):
+        return MXFP4_BYTES_PER_PARAM
+    return 4 if name.endswith(_FP32) else 2
+
+
+def account_ranks(config: ModelConfig, parallel: ParallelConfig) -> dict:
+    """Weight bytes each rank holds under `parallel`, by component (the sharding rules the loader reads: split
+    parts and replicated tensors apart), and each rank's cache: MLA latent and indexer keys per token (every rank
+    holds them whole: the latent is shared by all heads) and KDA state per sequence (its heads' share). Every rank
+    holds the same bytes: the rules cut into equal parts."""
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    parallel.check(config, shapes)
+    n = parallel.world_size
+    parts: dict[str, dict[str, float]] = defaultdict(lambda: {"total": 0.0, "split": 0.0, "replicated": 0.0})
+    for name, shape in shapes.items():
+        per_param = _bytes_per_param(name, config)
+        dim = split_dim(name, parallel)
+        whole = math.prod(shape) * per_param
+        part = parts[component(name, config)]
+        part["total"] += whole
+        part["split" if dim is not None else "replicated"] += math.prod(local_shape(shape, dim, n)) * per_param
+    single = account(config)
+    kda = single["kda_recurrent_bytes_per_seq"] + single["kda_conv_bytes_per_seq"]
+    return {
+        "tensor_parallel_size": n,
+        "enable_expert_parallel": parallel.enable_expert_parallel,
+        "components": {k: {kind: int(v) for kind, v in part.items()} for k, part in sorted(parts.items())},
+        "rank_weight_bytes": int(sum(p["split"] + p["replicated"] for p in parts.values())),
+        "total_weight_bytes": int(sum(p["total"] for p in parts.values())),
+        "rank_cache_bytes_per_token": single["mla_latent_bytes_per_token"] + single["indexer_key_bytes_per_token"],
+        "rank_kda_state_bytes_per_seq": kda // n,
+    }
+
+
+def format_rank_accounting(name: str, a: dict) -> str:
+    gib = 1 << 30
+    n = a["tensor_parallel_size"]
+    layout = f"tensor parallel {n}" + (", routed experts placed whole (expert parallel)"
+                                      if a["enable_expert_parallel"] else ", routed experts split in width")
+    lines = [f"{name} over {n} ranks ({layout}): each rank holds {a['rank_weight_bytes']:,} weight bytes "
+             f"({a['rank_weight_bytes'] / gib:.2f} GiB) of {a['total_weight_bytes']:,} "
+             f"({a['total_weight_bytes'] / gib:.2f} GiB; total / {n} = {a['total_weight_bytes'] / n / gib:.2f} GiB)"]
+    width = max(map(len, a["components"]))
+    for comp, p in a["components"].items():
+        rank = p["split"] + p["replicated"]
+        lines.append(f"  {comp:<{width}}  {rank / gib:10.3f} GiB a rank ({p['split'] / gib:.3f} split + "
+                     f"{p['replicated'] / gib:.3f} replicated) of {p['total'] / gib:.3f} GiB")
+    lines.append(f"  cache a rank per token: {a['rank_cache_bytes_per_token']:,} B (MLA latent + indexer keys, whole "
+                 f"on every rank); KDA state a rank per sequence: {a['rank_kda_state_bytes_per_seq']:,} B")
+    return "\n".join(lines)
 
 
 def account(config: ModelConfig) -> dict:
