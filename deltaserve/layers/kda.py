@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed import Shard
 from ..ops.kda import l2_normalize
 from .batch import DraftSlot, StepBatch
 from .derived import Derived
@@ -17,10 +18,13 @@ from .norm import gated_rms_norm
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    """Over a tensor-parallel group each rank runs its share of the heads (`shard`); its o_proj output is a partial
+    sum the decoder layer all-reduces."""
+
+    def __init__(self, config: ModelConfig, layer: int, shard: Shard = Shard()):
         super().__init__()
         self.config, self.layer = config, layer
-        d, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        d, H, K = config.hidden_size, shard.part(config.kda_num_heads), config.kda_head_dim
         P, W = H * K, config.kda_conv_size
         self.H, self.K, self.P, self.W = H, K, P, W
         self.q_proj, self.k_proj, self.v_proj = Linear(d, P), Linear(d, P), Linear(d, P)

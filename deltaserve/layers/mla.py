@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed import Shard
 from ..ops.indexer import indexer_scores_ref, select_topk, selection_mask
 from ..ops.mlapo import MLAWeights
 from ..ops.qli import qli_topk
@@ -20,12 +21,15 @@ from .rope import RotaryEmbedding, softmax_scale_factor
 
 
 class Indexer(nn.Module):
-    """Lightning indexer: one key per token (cached), H_I query heads read from the MLA's c_q."""
+    """Lightning indexer: one key per token (cached), H_I query heads read from the MLA's c_q. Over a
+    tensor-parallel group each rank scores with its share of the heads and the scores are summed over the ranks
+    before the top-k (`shard.all_reduce`); the head weights keep the scale of all H_I heads."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: Shard = Shard()):
         super().__init__()
-        h, dim = config.index_n_heads, config.index_head_dim
-        self.heads, self.head_dim = h, dim
+        h, dim = shard.part(config.index_n_heads), config.index_head_dim
+        self.heads, self.head_dim, self.shard = h, dim, shard
+        self.weight_scale = config.index_n_heads ** -0.5
         self.wq_b = Linear(config.q_lora_rank, h * dim)
         self.wk = Linear(config.hidden_size, dim)
         self.k_norm = LayerNorm(dim, config.index_norm_eps)
@@ -42,15 +46,18 @@ class Indexer(nn.Module):
             q = torch.cat([rotate_half_split(q[..., :r], cos.unsqueeze(1), sin.unsqueeze(1)).to(q.dtype),
                            q[..., r:]], dim=-1)
             k = torch.cat([rotate_half_split(k[..., :r], cos, sin).to(k.dtype), k[..., r:]], dim=-1)
-        w = self.weights_proj(x).float() * self.heads ** -0.5
+        w = self.weights_proj(x).float() * self.weight_scale
         return q, k, w
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, use_indexer: bool):
+    """Over a tensor-parallel group each rank runs its share of the heads (`shard`; the latent, shared by all
+    heads, is every rank's whole) and its o_proj output is a partial sum the decoder layer all-reduces."""
+
+    def __init__(self, config: ModelConfig, layer: int, use_indexer: bool, shard: Shard = Shard()):
         super().__init__()
-        self.config, self.layer = config, layer
-        d, H = config.hidden_size, config.num_heads
+        self.config, self.layer, self.shard = config, layer, shard
+        d, H = config.hidden_size, shard.part(config.num_heads)
         self.H, self.n, self.rho, self.v, self.r = (H, config.qk_nope_head_dim, config.qk_rope_head_dim,
                                                    config.v_head_dim, config.kv_lora_rank)
         if config.q_lora_rank is None:
@@ -65,7 +72,7 @@ class MLAttention(nn.Module):
         if config.mla_use_output_gate:
             self.g_proj = Linear(d, H * self.v)
         self.o_proj = Linear(H * self.v, d)
-        self.indexer = Indexer(config) if use_indexer else None
+        self.indexer = Indexer(config, shard) if use_indexer else None
         self.rotary = (RotaryEmbedding(self.rho, config.rope_theta, config.rope_scaling)
                        if config.uses_rope or (use_indexer and config.index_use_rope) else None)
         self.scale = config.qk_head_dim ** -0.5 * softmax_scale_factor(config.rope_scaling if config.uses_rope else None)
@@ -142,8 +149,11 @@ class MLAttention(nn.Module):
 
     # ---- fast DSA path: MLAPO + QLI + QSFA ----
     def _fusable(self) -> bool:
-        """MLAPO needs plain weight matrices (a quantized projection runs through its own module instead) and the
-        layer's RoPE use (none for Kimi; both MLA and indexer parts for DeepSeek-V3.2)."""
+        """MLAPO needs plain weight matrices (a quantized projection runs through its own module instead), the
+        layer's RoPE use (none for Kimi; both MLA and indexer parts for DeepSeek-V3.2) and all the indexer's heads
+        (its scores are not summed over ranks)."""
+        if self.shard.size > 1:
+            return False
         ix = self.indexer
         linears = [self.kv_a_proj_with_mqa, self.kv_b_proj, *([] if ix is None else [ix.wq_b, ix.wk, ix.weights_proj]),
                    *([self.g_proj] if self.config.mla_use_output_gate else []),
@@ -185,7 +195,7 @@ class MLAttention(nn.Module):
             pos = batch.positions[rows]
             allowed = torch.arange(S, device=q_nope.device).unsqueeze(0) <= pos.unsqueeze(1)
             if self.indexer is not None and S > self.config.index_topk:
-                scores = indexer_scores_ref(iq[rows], keys, iw[rows])
+                scores = self.indexer.shard.all_reduce(indexer_scores_ref(iq[rows], keys, iw[rows]))
                 allowed = selection_mask(select_topk(scores, pos, self.config.index_topk), S)
             attend = batch.ops.mla_decode if (batch.cache is not None and n_q == 1) else batch.ops.mla_prefill
             out[rows] = attend(q_nope[rows], q_pe[rows], latent[:, :self.r], latent[:, self.r:],
@@ -229,7 +239,8 @@ class MLAttention(nn.Module):
         those rows; W_UV maps the latent outputs to the heads' values."""
         latent_pages, key_pages, key_scales = pages
         eight = key_scales is not None  # 8-bit keys were rotated and quantised when written; queries follow suit
-        selected = qli_topk(iq, iw, key_pages, key_scales, batch.index_meta, quantized=eight, rotate=eight)
+        selected = qli_topk(iq, iw, key_pages, key_scales, batch.index_meta, quantized=eight, rotate=eight,
+                            reduce_scores=self.indexer.shard.all_reduce)
         out_lat, _ = batch.ops.qsfa(q_lat, q_pe, latent_pages, selected, self.scale)
         return self._unabsorb(out_lat.to(q_pe.dtype))
 

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed import Shard
 from ..ops.activation import silu_glu, situ_glu
 from .linear import Linear
 
@@ -16,9 +17,12 @@ def glu_activation(config: ModelConfig, gate: torch.Tensor, up: torch.Tensor) ->
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, in_dim: int, width: int):
+    """Over a tensor-parallel group each rank holds its share of the width (`shard`) and returns a partial sum."""
+
+    def __init__(self, config: ModelConfig, in_dim: int, width: int, shard: Shard = Shard()):
         super().__init__()
         self.config = config
+        width = shard.part(width)
         self.gate_proj = Linear(in_dim, width)
         self.up_proj = Linear(in_dim, width)
         self.down_proj = Linear(width, in_dim)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed import Shard
 from .derived import Derived
 from .linear import Linear
 from .mlp import MLP, glu_activation
@@ -86,11 +87,15 @@ def dispatch_experts(x: torch.Tensor, routing: Routing, num_experts: int,
     """sum_j w_j * expert_j(x): each selected expert runs once over all its tokens. The (token, choice) pairs are
     sorted by expert and the tokens gathered once, so expert e reads a contiguous slice and writes its outputs (in
     x's dtype) to a contiguous slice; one scatter puts them back in (token, choice) order, and each token's k outputs
-    are weighted and summed in fp32 in routing order (the same order whatever else is in the batch), cast once."""
+    are weighted and summed in fp32 in routing order (the same order whatever else is in the batch), cast once. A
+    choice of expert -1 (one another expert-parallel rank holds) adds nothing."""
     T, k = routing.experts.shape
     flat_experts = routing.experts.reshape(-1)
     order = torch.argsort(flat_experts, stable=True)
-    counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
+    elsewhere = int((flat_experts < 0).sum())  # sorted first
+    if elsewhere:
+        order = order[elsewhere:]
+    counts = torch.bincount(flat_experts[order] if elsewhere else flat_experts, minlength=num_experts).tolist()
     xs = x[order // k]
     ys = torch.empty_like(xs)
     start = 0
@@ -98,38 +103,59 @@ def dispatch_experts(x: torch.Tensor, routing: Routing, num_experts: int,
         if n:
             ys[start:start + n] = run_expert(e, xs[start:start + n])
             start += n
-    y = torch.empty_like(ys)
+    y = torch.zeros(T * k, x.shape[-1], dtype=ys.dtype, device=x.device) if elsewhere else torch.empty_like(ys)
     y[order] = ys
     return (y.view(T, k, -1).float() * routing.weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 class MoE(nn.Module):
     """Routed experts + shared experts. With `routed_expert_hidden_size` set it is K3's latent MoE:
-    experts run in latent space between `routed_expert_down_proj` and `routed_expert_up_proj`."""
+    experts run in latent space between `routed_expert_down_proj` and `routed_expert_up_proj`.
 
-    def __init__(self, config: ModelConfig):
+    Over a tensor-parallel group (`shard`, docs/parallel.md) a rank holds each expert's share of the width, or with
+    expert parallelism whole experts `first_expert ..` (the router, whole on every rank, picks among all of them);
+    the shared experts' width is split. Its output is a partial sum the decoder layer all-reduces; the latent MoE
+    first all-reduces the routed experts' latent output (its norm needs all of it), and its up projection reads the
+    rank's slice of the normed latent."""
+
+    def __init__(self, config: ModelConfig, shard: Shard = Shard()):
         super().__init__()
-        d = config.hidden_size
+        d, E, I = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.shard = shard
         self.gate = Router(config)
         self.latent = config.routed_expert_hidden_size
         expert_in = self.latent or d
-        self.experts = Experts(config, config.num_experts, expert_in, config.moe_intermediate_size)
+        self.expert_parallel = shard.expert_parallel and shard.size > 1
+        held = shard.span(E) if self.expert_parallel else range(E)
+        self.first_expert, self.num_held = held.start, len(held)
+        self.experts = Experts(config, self.num_held, expert_in, I if self.expert_parallel else shard.part(I))
         if self.latent:
             self.routed_expert_down_proj = Linear(d, self.latent)
-            self.routed_expert_up_proj = Linear(self.latent, d)
+            self.routed_expert_up_proj = Linear(shard.part(self.latent), d)
             self.routed_expert_norm = RMSNorm(self.latent, config.rms_norm_eps) if config.latent_moe_use_norm else None
-        self.shared_experts = (MLP(config, d, config.moe_intermediate_size * config.num_shared_experts)
+        self.shared_experts = (MLP(config, d, I * config.num_shared_experts, shard)
                                if config.num_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = self.gate(x)
+        if self.expert_parallel:
+            routing = self._held_here(routing)
         if self.latent:
-            r = self.experts(self.routed_expert_down_proj(x), routing)
+            r = self.shard.all_reduce(self.experts(self.routed_expert_down_proj(x), routing))
             if self.routed_expert_norm is not None:
                 r = self.routed_expert_norm(r)
+            if self.shard.size > 1:
+                span = self.shard.span(self.latent)
+                r = r[:, span.start:span.stop]
             out = self.routed_expert_up_proj(r)
         else:
             out = self.experts(x, routing)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _held_here(self, routing: Routing) -> Routing:
+        """The routing with expert ids local to this expert-parallel rank, -1 for the experts other ranks hold."""
+        local = routing.experts - self.first_expert
+        held = (local >= 0) & (local < self.num_held)
+        return Routing(torch.where(held, local, -1), routing.weights)

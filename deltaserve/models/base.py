@@ -5,7 +5,9 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed import Shard
 from ..layers.batch import StepBatch
+from ..layers.embedding import VocabEmbedding
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from .decoder import AttnResQuery, DecoderLayer, Eager, SubBlocks, V
@@ -13,19 +15,21 @@ from .mtp import MTPLayer
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder stack, final norm and LM head; MTP layers are loaded beside it (`mtp`)."""
+    """Embedding, decoder stack, final norm and LM head; MTP layers are loaded beside it (`mtp`). Built for one
+    rank of a tensor-parallel group (`shard`, docs/parallel.md), it holds that rank's part of every layer and its
+    logits are gathered from every rank's slice of the vocabulary."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: Shard = Shard()):
         super().__init__()
-        self.config = config
+        self.config, self.shard = config, shard
         d = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        self.layers = nn.ModuleList(DecoderLayer(config, l) for l in range(config.num_layers))
+        self.embed_tokens = VocabEmbedding(config.vocab_size, d, shard)
+        self.layers = nn.ModuleList(DecoderLayer(config, l, shard=shard) for l in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self.lm_head = Linear(d, config.vocab_size)
+        self.lm_head = Linear(d, shard.part(config.vocab_size))
         if config.attn_res_block_size is not None:
             self.output_attn_res = AttnResQuery(d, config.rms_norm_eps)
-        self.mtp = nn.ModuleList(MTPLayer(config, config.num_layers + j)
+        self.mtp = nn.ModuleList(MTPLayer(config, config.num_layers + j, shard)
                                  for j in range(config.num_nextn_predict_layers))
         self.mtp_available = config.num_nextn_predict_layers > 0
 
@@ -47,7 +51,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits from pre-norm hidden states."""
-        return self.lm_head(self.norm(h)).float()
+        return self.shard.all_gather(self.lm_head(self.norm(h)).float(), -1)
 
     @torch.no_grad()
     def reference_logits(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed import Shard
 from ..layers.batch import StepBatch
 from ..layers.kda import KimiDeltaAttention
 from ..layers.linear import Linear
@@ -53,11 +54,11 @@ class Eager:
         self.batch = batch
 
     def attention(self, layer: "DecoderLayer", x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        a = layer.self_attn(layer.input_layernorm(x), self.batch)
+        a = layer.shard.all_reduce(layer.self_attn(layer.input_layernorm(x), self.batch))
         return a if residual is None else residual + a
 
     def ffn(self, layer: "DecoderLayer", x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        f = layer.ffn(layer.post_attention_layernorm(x))
+        f = layer.shard.all_reduce(layer.ffn(layer.post_attention_layernorm(x)))
         return f if residual is None else residual + f
 
     def mix(self, query: AttnResQuery, sources: list[torch.Tensor]) -> torch.Tensor:
@@ -65,13 +66,18 @@ class Eager:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, attn_res: bool = True):
+    """Over a tensor-parallel group (`shard`) its attention and FFN each return this rank's partial sum, and the
+    sub-blocks all-reduce it before the residual add (docs/parallel.md §3)."""
+
+    def __init__(self, config: ModelConfig, layer: int, attn_res: bool = True, shard: Shard = Shard()):
         super().__init__()
-        self.config, self.layer = config, layer
+        self.config, self.layer, self.shard = config, layer, shard
         d, eps = config.hidden_size, config.rms_norm_eps
         kind = config.attn_kind(layer)
-        self.self_attn = KimiDeltaAttention(config, layer) if kind == "kda" else MLAttention(config, layer, kind == "dsa")
-        self.ffn = MoE(config) if config.ffn_kind(layer) == "moe" else MLP(config, d, config.intermediate_size)
+        self.self_attn = (KimiDeltaAttention(config, layer, shard) if kind == "kda"
+                          else MLAttention(config, layer, kind == "dsa", shard))
+        self.ffn = (MoE(config, shard) if config.ffn_kind(layer) == "moe"
+                    else MLP(config, d, config.intermediate_size, shard))
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.attn_res = attn_res and config.attn_res_block_size is not None

@@ -22,12 +22,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..distributed import Shard, split_dim
 from ..errors import CheckpointError, ConfigError
 from ..layers.quantized import (W4A16_MXFP4, W8A16_MXFP8, MXExperts, MXLinear, get_scheme, quantization_config_of,
                                 quantize_model, quantized_tensors, stored_schemes, swap_in)
 from .base import CausalLM
 from .registry import model_class
-from .weights import canonical, targets
+from .weights import Target, canonical, targets
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,13 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               quantization: str | None = None) -> CausalLM:
+               quantization: str | None = None, shard: Shard = Shard()) -> CausalLM:
     """Build the family's model from a checkpoint folder and fill every parameter from its safetensors.
     `quantization` ("w8a8-mxfp8", "w4a8-mxfp4", "mxfp" or None) is applied on top of whatever the checkpoint
-    stores quantised; a checkpoint written by `deltaserve quantize` needs none."""
+    stores quantised; a checkpoint written by `deltaserve quantize` needs none. For one rank of a tensor-parallel
+    group (`shard`) the model holds that rank's part and only those slices are read (distributed/sharding.py):
+    the other experts' tensors not at all, a split tensor as its slice (a tensor stored in another layout, read
+    whole, converted, then cut)."""
     path = Path(path)
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if torch_dtype not in (torch.float32, torch.bfloat16):
@@ -103,11 +107,14 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     files = tensor_files(path)
     shapes = tensor_shapes(files)
     config = ModelConfig.from_dict(raw, tensor_shapes=shapes)
+    shard.layout.check(config, {})
     with torch.device(device):
-        model = model_class(config)(config)
+        model = model_class(config)(config, shard=shard)
     _swap_stored_mx(model, config, shapes, stored_schemes(quantization_config_of(raw)))
     params = dict(model.named_parameters()) | quantized_tensors(model)
     plan, mtp_seen = _plan(config, shapes, params)
+    if shard.size > 1:
+        plan = _held_targets(plan, shard)
     _check_coverage(config, model, params, plan, mtp_seen)
 
     total = sum(_nbytes(shapes[n], 2) for n in shapes)
@@ -119,9 +126,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                 f = files[name]
                 if f not in handles:
                     handles[f] = safe_open(f, "pt", device="cpu").__enter__()
-                tensor = handles[f].get_tensor(name)
+                tensor = _read(handles[f], name, tgts, shard)
                 for t in tgts:
                     value = t.convert(tensor) if t.convert else tensor
+                    if t.convert is not None:
+                        value = _cut(value, split_dim(t.param, shard.layout), shard, name)
                     dest = params[t.param] if t.expert is None else params[t.param][t.expert]
                     if tuple(value.shape) != tuple(dest.shape):
                         raise CheckpointError(f"tensor {name!r} has shape {list(value.shape)} but the config "
@@ -141,6 +150,60 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+def _held_targets(plan: dict, shard: Shard) -> dict:
+    """The plan of one expert-parallel rank: its own experts renumbered from 0, the others' dropped (never read)."""
+    if not shard.expert_parallel:
+        return plan
+    held = {}
+    for name, tgts in plan.items():
+        kept = []
+        for t in tgts:
+            if t.expert is None:
+                kept.append(t)
+                continue
+            span = shard.span(_num_experts_of(t.param, plan))
+            if t.expert in span:
+                kept.append(Target(t.param, t.expert - span.start, t.convert))
+        if kept:
+            held[name] = kept
+    return held
+
+
+def _num_experts_of(param: str, plan: dict) -> int:
+    """How many experts the checkpoint gives stacked parameter `param` (one tensor each)."""
+    return 1 + max(t.expert for tgts in plan.values() for t in tgts if t.param == param)
+
+
+def _read(handle, name: str, tgts: list[Target], shard: Shard) -> torch.Tensor:
+    """Tensor `name` as this rank needs it: its slice when the one target takes the stored layout (an expert's
+    tensor is its stacked parameter less the expert dimension), else the whole (converted and cut afterwards)."""
+    if shard.size == 1 or len(tgts) != 1 or tgts[0].convert is not None:
+        return handle.get_tensor(name)
+    dim = split_dim(tgts[0].param, shard.layout)
+    if dim is not None and tgts[0].expert is not None:
+        dim = None if shard.expert_parallel else dim - 1
+    if dim is None:
+        return handle.get_tensor(name)
+    stored = handle.get_slice(name)
+    shape = stored.get_shape()
+    if shape[dim] % shard.size:
+        raise CheckpointError(f"tensor {name!r} {list(shape)}: dimension {dim} does not divide by "
+                              f"tensor_parallel_size = {shard.size}")
+    k = shape[dim] // shard.size
+    return stored[tuple(slice(shard.rank * k, (shard.rank + 1) * k) if i == dim else slice(None)
+                        for i in range(len(shape)))]
+
+
+def _cut(value: torch.Tensor, dim: int | None, shard: Shard, name: str) -> torch.Tensor:
+    if dim is None or shard.size == 1:
+        return value
+    if value.shape[dim] % shard.size:
+        raise CheckpointError(f"tensor {name!r} {list(value.shape)}: dimension {dim} does not divide by "
+                              f"tensor_parallel_size = {shard.size}")
+    k = value.shape[dim] // shard.size
+    return value.narrow(dim, shard.rank * k, k)
 
 
 def _swap_stored_mx(model: CausalLM, config: ModelConfig, shapes: dict, schemes: dict) -> None:

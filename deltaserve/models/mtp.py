@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed import Shard
 from ..layers.batch import StepBatch
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
@@ -11,25 +12,25 @@ from .decoder import DecoderLayer
 
 
 class SharedHead(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: Shard):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = Linear(config.hidden_size, config.vocab_size)
+        self.head = Linear(config.hidden_size, shard.part(config.vocab_size))
 
 
 class MTPLayer(nn.Module):
     """Layer index L + j: enorm/hnorm, eh_proj over [embedding ; hidden], an ordinary-residual MLA + FFN block
     (never AttnRes) and its own norm + head."""
 
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: Shard = Shard()):
         super().__init__()
         d = config.hidden_size
-        self.layer = layer
+        self.layer, self.shard = layer, shard
         self.enorm = RMSNorm(d, config.rms_norm_eps)
         self.hnorm = RMSNorm(d, config.rms_norm_eps)
         self.eh_proj = Linear(2 * d, d)
-        self.block = DecoderLayer(config, layer, attn_res=False)
-        self.shared_head = SharedHead(config)
+        self.block = DecoderLayer(config, layer, attn_res=False, shard=shard)
+        self.shared_head = SharedHead(config, shard)
 
     def forward(self, embeds: torch.Tensor, h_prev: torch.Tensor, positions: torch.Tensor,
                 batch: StepBatch) -> torch.Tensor:
@@ -43,4 +44,4 @@ class MTPLayer(nn.Module):
         return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h_prev)], dim=-1))
 
     def logits(self, h_next: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(self.shared_head.norm(h_next)).float()
+        return self.shard.all_gather(self.shared_head.head(self.shared_head.norm(h_next)).float(), -1)

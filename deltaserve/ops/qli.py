@@ -31,7 +31,7 @@ valid first, -1 padded.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -249,10 +249,11 @@ def _select_cut(s: torch.Tensor, k: int) -> torch.Tensor:
 
 def qli_topk(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scales: torch.Tensor | None,
              meta: StepIndexMeta, topk: int | None = None, *, quantized: bool = True, rotate: bool = True,
-             key_block: int | None = None, query_block: int = 256,
-             max_logits_bytes: int = 256 << 20) -> torch.Tensor:
+             key_block: int | None = None, query_block: int = 256, max_logits_bytes: int = 256 << 20,
+             reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Top-k indexer selection for a step: q [T, H, D], w [T, H] (already × H^-1/2) -> int64 [T, topk] flat page
-    rows, -1 padded. Only rows with more than topk candidates are scored, per request, in groups of at most
+    rows, -1 padded. `reduce_scores` (tensor parallelism: q and w hold this rank's heads) turns each block of
+    partial scores into the sum over the ranks before any top-k. Only rows with more than topk candidates are scored, per request, in groups of at most
     `query_block` query rows (fewer if the group's logits row buffer [rows, max bound] would exceed
     `max_logits_bytes`). Keys are gathered from the request's page rows `key_block` positions at a time (default:
     as many as keep the group's [rows x heads, block] dot products within 32 MiB, so a decode row takes its whole
@@ -306,6 +307,8 @@ def qli_topk(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scal
                     sc = torch.nan_to_num(sc + 0.0, nan=nan_rank)       # +0.0: -0.0 == +0.0
                     kpos = torch.arange(k0, k1, device=q.device).unsqueeze(0)
                     logits[:, k0:k1] = sc.masked_fill(kpos >= bound, float("-inf"))
+                if reduce_scores is not None:
+                    logits = reduce_scores(logits)
                 out[qi] = _select_cut(logits, topk)
     for b, qi in enumerate(meta.queries):
         if qi.numel():
@@ -315,8 +318,8 @@ def qli_topk(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scal
 
 def qli_topk_ref(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_scales: torch.Tensor | None,
                  meta: StepIndexMeta, topk: int | None = None, *, quantized: bool = True, rotate: bool = True,
-                 key_block: int | None = None, query_block: int = 256,
-                 max_logits_bytes: int = 256 << 20) -> torch.Tensor:
+                 key_block: int | None = None, query_block: int = 256, max_logits_bytes: int = 256 << 20,
+                 reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Readable twin of `qli_topk` (same signature; the blocking arguments are ignored): per request, dequantise
     (q8·s_q, k8·s_k) or read the fp32 keys, score all keys with `indexer_scores_ref`, select with `select_topk`,
     then put rows with ≤ topk candidates in ascending position order and map positions to flat page rows."""
@@ -338,6 +341,8 @@ def qli_topk_ref(q: torch.Tensor, w: torch.Tensor, key_pages: torch.Tensor, key_
         if quantized:
             keys = keys * scales[rows].unsqueeze(-1)
         scores = indexer_scores_ref(q_used[qi], keys, w[qi])
+        if reduce_scores is not None:
+            scores = reduce_scores(scores)
         sel = select_topk(scores, meta.bounds[qi] - 1, topk)
         short = meta.bounds[qi] <= topk
         sel[short] = torch.sort(torch.where(sel[short] < 0, rows.numel(), sel[short]), dim=1).values
