@@ -12,6 +12,7 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.state_slots import StateSlots
+from deltaserve.distributed import Shard
 from deltaserve.layers.linear import Linear
 
 # A different greedy choice is accepted only where the engine's token is within this much of the reference's top
@@ -154,10 +155,11 @@ def make_llm(path, **kw) -> LLM:
 
 
 def pool_bytes(config, num_slots: int, num_blocks: int, block_size: int, dtype=torch.float32,
-               num_checkpoints: int = 2) -> int:
-    """kv_cache_memory that `_size_pools` splits into exactly num_slots state slots, num_blocks pages and (when
-    the engine is made with max_state_checkpoints=num_checkpoints) that many prefix-cache state checkpoints."""
-    return ((num_slots + num_checkpoints) * StateSlots.bytes_per_slot(config)
+               num_checkpoints: int = 2, shard: Shard = Shard()) -> int:
+    """kv_cache_memory that `size_pools` splits into exactly num_slots state slots, num_blocks pages and (when
+    the engine is made with max_state_checkpoints=num_checkpoints) that many prefix-cache state checkpoints (on
+    every rank of a tensor-parallel group like `shard`)."""
+    return ((num_slots + num_checkpoints) * StateSlots.bytes_per_slot(config, shard)
             + num_blocks * block_size * PagePool.bytes_per_token(config, dtype))
 
 

@@ -37,7 +37,8 @@ def _rank_main(rank: int, world: int, port: int, path: str, prompt: list[int], o
             model = load_model(path, "float32", shard=Shard(local, size, ep, group))
             logits = model.reference_logits(torch.tensor(prompt))
             if local == 0:
-                save_file({"logits": logits.contiguous()}, Path(out) / f"tp{size}-ep{int(ep)}-g{rank // size}.safetensors")
+                name = f"tp{size}-ep{int(ep)}-g{rank // size}.safetensors"
+                save_file({"logits": logits.contiguous()}, Path(out) / name)
     finally:
         dist.destroy_process_group()
 

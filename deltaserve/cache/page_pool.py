@@ -26,6 +26,7 @@ import torch
 from ..config import ModelConfig
 from ..ops.qli import hadamard, write_index_keys
 from ..ops.qsfa import C8Latent, dequantize_latent, write_latent
+from .state_slots import COPY_BLOCK
 
 
 class PagePool:
@@ -38,6 +39,7 @@ class PagePool:
         self.latent_8bit, self.keys_8bit = latent_8bit, keys_8bit
         r, rho = config.kv_lora_rank, config.qk_rope_head_dim
         self._storage: list[torch.Tensor] = []  # every page tensor, for copy_block
+        self.journal: list[tuple[int, ...]] | None = None  # copies to replay on other ranks (cache/state_slots.py)
         self.latent: dict[int, torch.Tensor | C8Latent] = {}
         for l in mla_cache_layers(config, drafter_layers):
             if latent_8bit is None:
@@ -151,6 +153,8 @@ class PagePool:
     def copy_block(self, src: int, dst: int) -> None:
         for t in self._storage:
             t[dst].copy_(t[src])
+        if self.journal is not None:
+            self.journal.append((COPY_BLOCK, src, dst))
 
     # ---- rows ----
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:

@@ -89,6 +89,12 @@ class EngineArgs:
     # Speculative decoding: vLLM's JSON object (method, num_speculative_tokens, ...; spec_decode/config.py), as text
     # or a dict; None = off. Parsed into `speculative`.
     speculative_config: str | dict | None = None
+    # Tensor parallelism (docs/parallel.md): this many ranks on this machine, the engine process rank 0 (gloo);
+    # routed experts placed whole across them with enable_expert_parallel; a collective that takes longer than
+    # distributed_timeout seconds stops the engine.
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_timeout: float = 60.0
     # Tests only: "PHASE:TOKEN_ID,..." raises inside that step phase for requests whose prompt holds the token
     # (engine/faults.py). None (the default) builds no injector and costs nothing.
     fault_injection: str | None = None
@@ -123,6 +129,15 @@ class EngineArgs:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout <= 0:
+            raise ConfigError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
+        if self.tensor_parallel_size > 1:
+            if self.backend == "native":
+                raise ConfigError("backend 'native' does not run tensor parallel yet; use 'torch' or 'auto'")
+            if self.speculative is not None:
+                raise ConfigError("speculative decoding does not run with tensor_parallel_size > 1 yet")
         FaultInjector.parse(self.fault_injection)  # a malformed spec fails here, not in the engine process
 
     def latent_cache_8bit(self) -> torch.dtype | None:
@@ -186,6 +201,15 @@ class EngineArgs:
         parser.add_argument("--speculative-config", default=None,
                             help='speculative decoding as a JSON object, vLLM\'s keys: e.g. \'{"method": "suffix", '
                                  '"num_speculative_tokens": 4}\' (default: off)')
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                            help="ranks that share every layer (heads, widths, vocabulary), started on this machine "
+                                 "and joined over gloo (docs/parallel.md)")
+        parser.add_argument("--enable-expert-parallel", action="store_true",
+                            help="with --tensor-parallel-size: routed experts placed whole across the ranks instead "
+                                 "of split in width (default: split)")
+        parser.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
+                            help="seconds a step's collective may take before the engine fails its requests and "
+                                 "stops")
         parser.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests: engine/faults.py
 
     @classmethod

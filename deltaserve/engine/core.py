@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from ..cache.page_pool import PagePool
 from ..cache.paged_cache import PagedCache
 from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
+from ..distributed import Shard
 from ..errors import ConfigError, DeltaserveError
 from ..layers.batch import DraftSlot
 from ..backends.select import select_backend
@@ -31,12 +33,14 @@ from .config import EngineArgs, resolve_dtype
 from .faults import FaultInjector, InjectedFault, RequestFailure, RequestFault, describe
 from .grammar import Grammars
 from .heap import keep_freed_memory
+from .pools import build_pools, size_pools
 from .request import Request, RequestStatus
 from .runner import ForwardOutput, ModelRunner
 from .sampler import SampleOutput, Sampler, SamplingState, TokenLogprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler, StepPlan
 from .step_timer import StepTimer
+from .workers import Workers
 from .summary import EngineSummary, layer_mix, quantization_text, weight_bytes, weight_bytes_by_format
 
 log = logging.getLogger(__name__)
@@ -75,13 +79,18 @@ class EngineCore:
         self.args, self.model_path = args, model_path
         keep_freed_memory()  # activations stop being faulted in afresh every step (engine/heap.py)
         self.dtype = resolve_dtype(args.dtype, load_config(model_path).torch_dtype)
+        self.workers = Workers(args, model_path) if args.tensor_parallel_size > 1 else None
+        shard = Shard()
+        if self.workers is not None:
+            weakref.finalize(self, self.workers.close)  # an engine dropped without close() leaves no processes
+            shard = self.workers.shard
         log.info("loading the weights of %s in %s (%s)", model_path, self.dtype.name, self.dtype.reason)
         started = time.monotonic()
-        self.model = load_model(model_path, dtype=self.dtype.name, quantization=args.quantization)
+        self.model = load_model(model_path, dtype=self.dtype.name, quantization=args.quantization, shard=shard)
         self.weight_bytes = weight_bytes(self.model)
         self.weight_bytes_by_format = weight_bytes_by_format(self.model)
         log.info("loaded %.1f MB of weights in %.1f s", self.weight_bytes / 1e6, time.monotonic() - started)
-        self.backend = select_backend(args.backend, args.ops)
+        self.backend = select_backend(args.backend, args.ops, args.tensor_parallel_size)
         self.backend_prepared = self.backend.prepare(self.model)
         log.info("backend %s (%s): %s", self.backend.name, self.backend.reason, self.backend_prepared)
         config = self.config = self.model.config
@@ -92,8 +101,15 @@ class EngineCore:
         self.spec = spec = args.speculative
         k = spec.num_speculative_tokens if spec is not None else 0
         self.drafter = _drafter(spec, self.model, model_path, DTYPES[self.dtype.name])
-        self.pages, self.states, self.checkpoints, self.drafts = _size_pools(config, args, DTYPES[self.dtype.name],
-                                                                             self.drafter)
+        drafter_layers = _drafter_layers(config, spec, self.drafter)
+        sizes = size_pools(config, args, DTYPES[self.dtype.name], drafter_layers, shard)
+        self.pages, self.states, self.checkpoints, self.drafts = build_pools(config, args, DTYPES[self.dtype.name],
+                                                                             sizes, drafter_layers, shard)
+        if self.workers is not None:
+            self.workers.share_pool_sizes(list(sizes))
+            for pool in (self.pages, self.states, self.checkpoints, self.drafts):
+                if pool is not None:
+                    pool.journal = self.workers.journal
         self.max_model_len = _resolve_max_model_len(args, config, self.pages.num_blocks * args.block_size)
         self.prefix = (PrefixCache(self.pages, self.states, self.checkpoints, args.state_checkpoint_interval,
                                    str(model_path.resolve())) if self.checkpoints is not None else None)
@@ -113,7 +129,8 @@ class EngineCore:
         self.logits_observer: Callable[[list[Request], torch.Tensor], None] | None = None
         self.faults = FaultInjector.parse(args.fault_injection)
         self.runner = ModelRunner(self.model, cache, self.backend, self.timer, self.faults,
-                                  keep_hidden=self.proposer is not None and self.proposer.reads_hidden)
+                                  keep_hidden=self.proposer is not None and self.proposer.reads_hidden,
+                                  send_step=self.workers.send_step if self.workers is not None else None)
         self._pending_copies: list[tuple[int, int]] = []  # (source, destination) pages of this step's forks
         self._requests: dict[str, list[Request]] = {}
         self._n: dict[str, tuple[SamplingParams, int, str | None]] = {}  # params, max_tokens, grammar text
@@ -196,8 +213,17 @@ class EngineCore:
         try:
             return self._run(plan)
         except Exception as exc:  # noqa: BLE001 — not attributable to one request: the whole batch fails
+            if self.workers is not None:  # the ranks may be out of step: nothing can run on them any more
+                self._fail_all("step", exc)
+                raise EngineBrokenError(f"a tensor-parallel step failed ({type(exc).__name__}: {exc}); "
+                                        "the engine stops") from exc
             self._fail_batch(plan, "step", exc)
             return []
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one process)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def take_failures(self) -> list[RequestFailure]:
         """The requests failed since the last call (each once)."""
@@ -550,7 +576,7 @@ class EngineCore:
             num_pages=self.pages.num_blocks, block_size=args.block_size, page_bytes=page_bytes,
             num_state_slots=self.states.num_slots,
             num_checkpoints=self.checkpoints.num_slots if self.checkpoints is not None else 0,
-            state_slot_bytes=StateSlots.bytes_per_slot(config), max_model_len=self.max_model_len,
+            state_slot_bytes=StateSlots.bytes_per_slot(config, self.model.shard), max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             prefix_caching=self.prefix is not None)
 
@@ -583,43 +609,6 @@ def _resolve_max_model_len(args: EngineArgs, config, pool_tokens: int) -> int:
     if limit > pool_tokens:
         log.warning("max_model_len lowered from %d to %d tokens, what the page pool holds", limit, pool_tokens)
     return min(limit, pool_tokens)
-
-
-def _size_pools(config, args: EngineArgs, dtype: torch.dtype,
-                drafter=None) -> tuple[PagePool, StateSlots, StateSlots | None, StateSlots | None]:
-    """Split the budget: KDA working slots for max_num_seqs first (with speculative decoding each with its
-    num_speculative_tokens draft states), then (with prefix caching) the state checkpoints, then pages with the
-    rest. Returns (pages, working slots, checkpoints or None, draft states or None)."""
-    budget = args.kv_cache_memory_bytes
-    slot_bytes = StateSlots.bytes_per_slot(config)
-    latent_8bit, keys_8bit = args.latent_cache_8bit(), args.index_cache_8bit() if config.has_dsa else None
-    drafter_layers = _drafter_layers(config, args.speculative, drafter)
-    block_bytes = PagePool.bytes_per_token(config, dtype, latent_8bit, keys_8bit, drafter_layers) * args.block_size
-    k = args.speculative.num_speculative_tokens if args.speculative is not None and slot_bytes else 0
-    seq_bytes = slot_bytes * (1 + k)
-    num_slots = args.max_num_seqs if slot_bytes == 0 else min(args.max_num_seqs, budget // seq_bytes)
-    num_ckpt = 0
-    if args.enable_prefix_caching:
-        room = (budget - num_slots * seq_bytes) // slot_bytes if slot_bytes else 4 * args.max_num_seqs
-        if args.max_state_checkpoints is not None and args.max_state_checkpoints > room:
-            raise ConfigError(f"max_state_checkpoints {args.max_state_checkpoints} does not fit kv_cache_memory "
-                              f"after {num_slots} working slots (room for {room})")
-        default = min(4 * args.max_num_seqs, max(1, int(0.2 * budget) // max(slot_bytes, 1)), room)
-        num_ckpt = args.max_state_checkpoints or default
-        if num_ckpt == 0:
-            log.warning("prefix caching is off: kv_cache_memory leaves no room for a KDA state checkpoint")
-    num_blocks = (budget - num_slots * seq_bytes - num_ckpt * slot_bytes) // max(block_bytes, 1)
-    if num_slots < 1 or num_blocks < 1:
-        raise ConfigError(f"kv_cache_memory of {budget} bytes is too small: one sequence's KDA state slots need "
-                          f"{seq_bytes} bytes ({num_ckpt} prefix-cache checkpoints need {slot_bytes} each) and one "
-                          f"page of {args.block_size} tokens needs {block_bytes} bytes")
-    log.info("cache memory: %d KDA working slots (+%d draft states each) + %d state checkpoints (%d B each), %d "
-             "pages of %d tokens = %d tokens (%d B per token)", num_slots, k, num_ckpt, slot_bytes, num_blocks,
-             args.block_size, num_blocks * args.block_size, block_bytes // args.block_size)
-    checkpoints = StateSlots(config, num_ckpt) if num_ckpt else None
-    drafts = StateSlots(config, num_slots * k) if k else None
-    return (PagePool(config, num_blocks, args.block_size, dtype, latent_8bit=latent_8bit, keys_8bit=keys_8bit,
-                     drafter_layers=drafter_layers), StateSlots(config, num_slots), checkpoints, drafts)
 
 
 def _drafter(spec, model, model_path: Path, dtype: torch.dtype):

@@ -87,6 +87,16 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (`with LLM(...) as llm:` does it on leaving)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat format, then generate."""

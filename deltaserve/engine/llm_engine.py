@@ -76,3 +76,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (also done when the engine is collected)."""
+        self.core.close()

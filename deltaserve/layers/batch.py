@@ -153,9 +153,8 @@ class StepBatch:
         rows = [getattr(h, "rows", None) for h in self.handles]
         if any(r is None for r in rows):
             return None
-        if not self.decode_form and any(
-                self.rows(i).stop - self.rows(i).start != 1 + sum(isinstance(t, DraftSlot) for _, t in self.snapshots(i))
-                for i in range(B)):
+        drafts = [sum(isinstance(t, DraftSlot) for _, t in self.snapshots(i)) for i in range(B)]
+        if not self.decode_form and any(self.rows(i).stop - self.rows(i).start != 1 + drafts[i] for i in range(B)):
             return None
         lengths = (self.positions + 1).tolist()
         out = torch.full((len(lengths), max(lengths)), -1, dtype=torch.int64)

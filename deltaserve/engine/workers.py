@@ -1,0 +1,184 @@
+"""Tensor-parallel worker processes (docs/parallel.md §5): the engine process is rank 0 of a torch.distributed group
+(gloo on CPU) and starts ranks 1 .. N-1 on this machine; every rank holds its shard of the model and its own pools.
+
+Rank 0 alone schedules. Before each forward it broadcasts one `StepLayout` (engine/runner.py) as int64 tensors —
+a fixed header, then the body the header sizes; never pickle — together with the journal of its pools' data
+changes since the last step (slots zeroed or copied, pages copied: cache/state_slots.py), which each worker replays
+in order before running the same step; every collective inside the forward (the layers' all-reduces, the logits'
+gather) then pairs up rank by rank. A header of kind STOP ends the workers.
+
+Failure: a collective that does not complete within `distributed_timeout` seconds raises on every rank still
+there; rank 0 then fails its requests and the engine stops (EngineCore); a worker whose peer is gone exits."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..backends.select import select_backend
+from ..cache.paged_cache import PagedCache
+from ..cache.state_slots import COPY, COPY_BLOCK, ZERO
+from ..distributed import Shard
+from ..layers.batch import DraftSlot
+from ..models.loader import DTYPES, load_config, load_model
+from .config import EngineArgs, resolve_dtype
+from .pools import PoolSizes, build_pools
+from .runner import ModelRunner, StepLayout
+
+log = logging.getLogger(__name__)
+
+STEP, STOP = 1, 0
+HEADER = 8  # kind, rows, sequences, table entries, snapshots, sample rows, scorings, journal entries
+JOURNAL_WIDTH = 5  # the longest journal entry, COPY's; shorter ones are padded with -1
+
+
+def encode(layout: StepLayout, journal: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's header and body."""
+    snaps = [(i, off, int(isinstance(t, DraftSlot)), t.slot if isinstance(t, DraftSlot) else t)
+             for i, seq in enumerate(layout.snapshots) for off, t in seq]
+    body = [*layout.ids, *layout.positions, *layout.query_start, *layout.context_lens, *layout.slots,
+            *(len(t) for t in layout.tables), *(b for t in layout.tables for b in t), *(v for s in snaps for v in s),
+            *layout.sample_rows, *(v for r in layout.score_rows for v in r),
+            *(v for entry in journal for v in (*entry, *[-1] * (JOURNAL_WIDTH - len(entry))))]
+    header = [STEP, len(layout.ids), len(layout.slots), sum(map(len, layout.tables)), len(snaps),
+              len(layout.sample_rows), len(layout.score_rows), len(journal)]
+    return torch.tensor(header, dtype=torch.int64), torch.tensor(body, dtype=torch.int64)
+
+
+def decode(header: torch.Tensor, body: torch.Tensor) -> tuple[StepLayout, list[tuple[int, ...]]]:
+    """The layout and journal `encode` wrote."""
+    _, N, B, T, S, R, C, J = header.tolist()
+    values = iter(body.tolist())
+
+    def take(n: int) -> list[int]:
+        return [next(values) for _ in range(n)]
+
+    ids, positions, query_start, context_lens, slots = take(N), take(N), take(B + 1), take(B), take(B)
+    lengths = take(B)
+    flat = take(T)
+    tables, at = [], 0
+    for n in lengths:
+        tables.append(flat[at:at + n])
+        at += n
+    snapshots: list[list] = [[] for _ in range(B)]
+    for _ in range(S):
+        seq, off, draft, slot = take(4)
+        snapshots[seq].append((off, DraftSlot(slot) if draft else slot))
+    sample_rows = take(R)
+    score_rows = [tuple(take(2)) for _ in range(C)]
+    journal = [tuple(v for v in take(JOURNAL_WIDTH) if v != -1) for _ in range(J)]
+    return StepLayout(ids, positions, query_start, context_lens, slots, tables, snapshots, sample_rows,
+                      score_rows), journal
+
+
+def replay(journal: list[tuple[int, ...]], cache: PagedCache) -> None:
+    """Apply rank 0's pool changes to this rank's pools, in order."""
+    pools = [cache.states, cache.checkpoints, cache.drafts]
+    for entry in journal:
+        if entry[0] == ZERO:
+            pools[entry[1]].zero(entry[2])
+        elif entry[0] == COPY:
+            pools[entry[1]].copy_to(entry[2], pools[entry[3]], entry[4])
+        elif entry[0] == COPY_BLOCK:
+            cache.pages.copy_block(entry[1], entry[2])
+        else:
+            raise ValueError(f"unknown journal entry {entry}")
+
+
+class Workers:
+    """Rank 0's side: the worker processes of one engine and the journal its pools write to."""
+
+    def __init__(self, args: EngineArgs, model_path: Path):
+        self.world = args.tensor_parallel_size
+        self.journal: list[tuple[int, ...]] = []
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.processes = [ctx.Process(target=worker_main, args=(rank, args, str(model_path), port), daemon=True,
+                                      name=f"deltaserve-rank{rank}") for rank in range(1, self.world)]
+        for p in self.processes:
+            p.start()
+        _init_group(0, self.world, port, args.distributed_timeout)
+        self.shard = Shard(0, self.world, args.enable_expert_parallel)
+        log.info("tensor parallel over %d ranks (gloo; expert parallel: %s); workers %s", self.world,
+                 args.enable_expert_parallel, [p.pid for p in self.processes])
+
+    def share_pool_sizes(self, sizes: list[int]) -> None:
+        """Send rank 0's pool sizes: every rank builds the same pools."""
+        dist.broadcast(torch.tensor(sizes, dtype=torch.int64), src=0)
+
+    def send_step(self, layout: StepLayout) -> None:
+        header, body = encode(layout, self.journal)
+        self.journal.clear()
+        dist.broadcast(header, src=0)
+        dist.broadcast(body, src=0)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers (a STOP header while the group works), wait for them, kill what is left."""
+        if dist.is_initialized():
+            if self.alive():
+                try:
+                    dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64), src=0)
+                except RuntimeError:
+                    log.warning("the workers did not take the stop message; killing them")
+            dist.destroy_process_group()
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None:
+    """Rank `rank`: its shard, pools of rank 0's sizes, then steps until STOP or a failed collective."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // args.tensor_parallel_size))
+    _init_group(rank, args.tensor_parallel_size, port, args.distributed_timeout)
+    try:
+        shard = Shard(rank, args.tensor_parallel_size, args.enable_expert_parallel)
+        dtype = resolve_dtype(args.dtype, load_config(model_path).torch_dtype).name
+        model = load_model(model_path, dtype=dtype, quantization=args.quantization, shard=shard)
+        sizes = torch.empty(len(PoolSizes._fields), dtype=torch.int64)
+        dist.broadcast(sizes, src=0)
+        cache = PagedCache(*build_pools(model.config, args, DTYPES[dtype], PoolSizes(*sizes.tolist()), (), shard))
+        backend = select_backend(args.backend, args.ops, args.tensor_parallel_size)
+        backend.prepare(model)
+        runner = ModelRunner(model, cache, backend)
+        header = torch.empty(HEADER, dtype=torch.int64)
+        while True:
+            dist.broadcast(header, src=0)
+            if int(header[0]) == STOP:
+                return
+            body = torch.empty(_body_length(header), dtype=torch.int64)
+            dist.broadcast(body, src=0)
+            layout, journal = decode(header, body)
+            replay(journal, cache)
+            runner.run_layout(layout)
+    except RuntimeError as exc:  # rank 0 or a peer is gone (a collective failed or timed out)
+        log.error("tensor-parallel rank %d stops: %s", rank, exc)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _body_length(header: torch.Tensor) -> int:
+    _, N, B, T, S, R, C, J = header.tolist()
+    return 2 * N + (B + 1) + 3 * B + T + 4 * S + R + 2 * C + JOURNAL_WIDTH * J
+
+
+def _init_group(rank: int, world: int, port: int, timeout_s: float) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
