@@ -3,13 +3,22 @@ shard (heads, widths, vocabulary slices; experts split in width or placed whole)
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
+import httpx
+import openai
 import pytest
 import torch
 
+from deltaserve import LLM
 from deltaserve.distributed import Shard
+from deltaserve.engine.core import EngineBrokenError
 from deltaserve.models.loader import load_model
 from engine_utils import assert_pools_free, greedy, make_llm, pool_bytes, random_prompts
 from parallel_utils import LAYOUTS, sharded_logits
+from server_utils import cmdline, descendants, iter_sse, pid_alive, run_server, wait_until
 
 
 @pytest.mark.parametrize("preset", ["k31-tiny", "kimi-linear-tiny", "deepseek-v32-tiny"])
@@ -72,3 +81,67 @@ def test_engine_over_ranks_gives_one_process_tokens(make_checkpoint, preset, par
     assert got_tokens == want_tokens
     for got, want in zip(got_logprobs[0], want_logprobs[0]):
         assert abs(got[0] - want[0]) < 1e-4 and [t for t, _ in got[1]] == [t for t, _ in want[1]]
+
+
+@pytest.mark.slow
+def test_server_over_two_ranks_and_a_rank_that_dies(make_checkpoint):
+    """`serve --tensor-parallel-size 2` through the openai client gives one process's tokens; when rank 1 is killed
+    mid-stream the stream ends with an error within the distributed timeout, /health answers 503, the dead core's
+    processes are all gone, and a fresh core (with a fresh rank 1) serves again."""
+    path = make_checkpoint("k31-tiny")
+    prompt = random_prompts([24], seed=8, high=1000)[0]
+    with LLM(str(path), dtype="float32", kv_cache_memory="64MiB") as one:
+        want = one.generate([prompt], greedy(12), use_tqdm=False)[0].outputs[0].text
+    flags = ("--served-model-name", "tp", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+             "--tensor-parallel-size", "2", "--distributed-timeout", "5", "--max-engine-restarts", "1")
+    with run_server(path, *flags) as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+            out = client.completions.create(model="tp", prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.choices[0].text == want
+        engine = srv.engine_pid()
+        tree = descendants(engine)
+        (rank1,) = [p for p in tree if "deltaserve.engine.workers" in cmdline(p)]
+        body = {"model": "tp", "prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as hc, hc.stream("POST", srv.url + "/v1/completions", json=body) as r:
+            events = iter_sse(r)
+            assert next(events)["choices"][0]["finish_reason"] is None
+            os.kill(rank1, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = list(events)
+            ended = time.monotonic() - killed
+            health = httpx.get(srv.url + "/health", timeout=5).status_code
+        assert ended < 5 + 5, f"the stream took {ended:.1f} s to end after rank 1 died"
+        errors = [e["error"] for e in rest if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["code"] == 503 and rest[-1] == "[DONE]"
+        assert health == 503
+        assert wait_until(lambda: not any(pid_alive(p) for p in [engine, *tree]), 10, 0.1), \
+            [(p, cmdline(p)) for p in [engine, *tree] if pid_alive(p)]
+        assert wait_until(lambda: httpx.get(srv.url + "/health", timeout=5).status_code == 200, 30, 0.2), srv.log()
+        assert len([p for p in descendants(srv.engine_pid()) if "deltaserve.engine.workers" in cmdline(p)]) == 1
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+            again = client.completions.create(model="tp", prompt=prompt, max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            assert again.choices[0].text == want
+
+
+def test_a_rank_that_hangs_fails_the_requests_within_the_timeout(make_checkpoint):
+    """Rank 1 stopped (SIGSTOP) mid-run: rank 0's next collective times out after --distributed-timeout, every
+    request in flight fails, the engine refuses to go on (EngineBrokenError) and closing it leaves no process."""
+    path = make_checkpoint("kimi-linear-tiny")
+    prompts = random_prompts([10, 20], seed=2, high=1000)
+    llm = make_llm(path, tensor_parallel_size=2, distributed_timeout=3)
+    (rank1,) = llm.engine.core.workers.processes
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", p, greedy(200))
+    llm.engine.step()
+    os.kill(rank1.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(EngineBrokenError, match="tensor-parallel step failed"):
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    assert time.monotonic() - started < 3 + 5
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    llm.close()
+    assert rank1.poll() is not None

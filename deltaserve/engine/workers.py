@@ -12,14 +12,17 @@ there; rank 0 then fails its requests and the engine stops (EngineCore); a worke
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import socket
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..backends.select import select_backend
 from ..cache.paged_cache import PagedCache
@@ -92,18 +95,21 @@ def replay(journal: list[tuple[int, ...]], cache: PagedCache) -> None:
 
 
 class Workers:
-    """Rank 0's side: the worker processes of one engine and the journal its pools write to."""
+    """Rank 0's side: the worker processes of one engine (`python -m deltaserve.engine.workers`, each given its rank
+    and the engine's arguments as JSON) and the journal rank 0's pools write to."""
 
     def __init__(self, args: EngineArgs, model_path: Path):
         self.world = args.tensor_parallel_size
         self.journal: list[tuple[int, ...]] = []
         port = _free_port()
-        ctx = mp.get_context("spawn")
-        self.processes = [ctx.Process(target=worker_main, args=(rank, args, str(model_path), port), daemon=True,
-                                      name=f"deltaserve-rank{rank}") for rank in range(1, self.world)]
-        for p in self.processes:
-            p.start()
-        _init_group(0, self.world, port, args.distributed_timeout)
+        spec = json.dumps({"args": dataclasses.asdict(args), "model": str(model_path), "port": port})
+        self.processes = [subprocess.Popen([sys.executable, "-m", "deltaserve.engine.workers", str(rank), spec])
+                          for rank in range(1, self.world)]
+        try:
+            _init_group(0, self.world, port, args.distributed_timeout)
+        except Exception:
+            self.close()
+            raise
         self.shard = Shard(0, self.world, args.enable_expert_parallel)
         log.info("tensor parallel over %d ranks (gloo; expert parallel: %s); workers %s", self.world,
                  args.enable_expert_parallel, [p.pid for p in self.processes])
@@ -119,26 +125,32 @@ class Workers:
         dist.broadcast(body, src=0)
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.processes)
+        return all(p.poll() is None for p in self.processes)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the workers (a STOP header while the group works), wait for them, kill what is left."""
+        """Stop the workers: a STOP header while they all answer, else (a rank gone or hung) kill them; wait."""
+        stopped = False
         if dist.is_initialized():
             if self.alive():
                 try:
                     dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64), src=0)
+                    stopped = True
                 except RuntimeError:
                     log.warning("the workers did not take the stop message; killing them")
             dist.destroy_process_group()
         for p in self.processes:
-            p.join(timeout)
-            if p.is_alive():
+            if not stopped:
                 p.kill()
-                p.join()
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None:
-    """Rank `rank`: its shard, pools of rank 0's sizes, then steps until STOP or a failed collective."""
+    """Rank `rank`: its shard, pools of rank 0's sizes, then steps until STOP or a failed collective (rank 0 gone:
+    at the latest after distributed_timeout)."""
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tensor_parallel_size))
     _init_group(rank, args.tensor_parallel_size, port, args.distributed_timeout)
     try:
@@ -182,3 +194,9 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+if __name__ == "__main__":  # a worker process: RANK and the JSON Workers wrote
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _spec = json.loads(sys.argv[2])
+    worker_main(int(sys.argv[1]), EngineArgs(**_spec["args"]), _spec["model"], _spec["port"])

@@ -36,12 +36,15 @@ def run_engine_core(args: dict, model_path: str, in_addr: str, out_addr: str, lo
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(out_addr)
     parent = os.getppid()
+    core = None
     try:
         core = EngineCore(EngineArgs(**args), Path(model_path))
         outbox.send(encode(Ready(core.max_model_len, core.config.vocab_size, sorted(core.eos_ids), os.getpid(),
                                  core.summary(), core.stats(), core.backend.describe())))
         _loop(core, inbox, outbox, parent)
     finally:
+        if core is not None:
+            core.close()  # its tensor-parallel workers go with it
         inbox.close(linger=0)
         outbox.close(linger=1000)
         ctx.term()
