@@ -18,6 +18,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaserve"
 
 
+def rendezvous() -> dict:
+    """torchrun's rendezvous variables, the defaults of `--master-addr`, `--master-port` and `--node-rank`:
+    MASTER_ADDR, MASTER_PORT and the node's rank (NODE_RANK, or torchrun's GROUP_RANK); absent ones are left out."""
+    out: dict = {}
+    if os.environ.get("MASTER_ADDR"):
+        out["master_addr"] = os.environ["MASTER_ADDR"]
+    if os.environ.get("MASTER_PORT"):
+        out["master_port"] = int(os.environ["MASTER_PORT"])
+    node = os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK")
+    if node:
+        out["node_rank"] = int(node)
+    return out
+
+
 def native_march() -> str:
     """DELTASERVE_NATIVE_MARCH: the CPU the native kernels are compiled for, as gcc's `-march` takes it (default
     `native`: this machine; `x86-64-v3` builds for any AVX2+FMA x86-64 CPU, as CI does). On ARM, `native` becomes

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -18,7 +20,7 @@ from deltaserve.engine.core import EngineBrokenError
 from deltaserve.models.loader import load_model
 from engine_utils import assert_pools_free, greedy, make_llm, pool_bytes, random_prompts
 from parallel_utils import LAYOUTS, sharded_logits
-from server_utils import cmdline, descendants, iter_sse, pid_alive, run_server, wait_until
+from server_utils import cmdline, descendants, free_port, iter_sse, pid_alive, run_server, wait_until
 
 
 @pytest.mark.parametrize("preset", ["k31-tiny", "kimi-linear-tiny", "deepseek-v32-tiny"])
@@ -145,3 +147,27 @@ def test_a_rank_that_hangs_fails_the_requests_within_the_timeout(make_checkpoint
     llm.engine.check_integrity()
     llm.close()
     assert rank1.poll() is not None
+
+
+def test_two_nodes_over_loopback(make_checkpoint):
+    """Two launches on one machine: `serve --nnodes 2 --node-rank 1` (rank 1, no API) and an engine with
+    --node-rank 0 (rank 0), meeting at --master-addr/--master-port: one process's tokens; when node 0 closes, node
+    1's launch ends with status 0."""
+    path = make_checkpoint("k31-tiny")
+    prompts = random_prompts([7, 30], seed=9, high=1000)
+    with LLM(str(path), dtype="float32", kv_cache_memory="16MiB") as one:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, greedy(10), use_tqdm=False)]
+    port = free_port()
+    node1 = subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "serve", str(path), "--dtype", "float32",
+                              "--kv-cache-memory", "16MiB", "--tensor-parallel-size", "2", "--nnodes", "2",
+                              "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)])
+    try:
+        with LLM(str(path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2, nnodes=2,
+                 node_rank=0, master_port=port) as node0:
+            assert node0.engine.core.workers.processes == []  # rank 1 is node 1's
+            got = [o.outputs[0].token_ids for o in node0.generate(prompts, greedy(10), use_tqdm=False)]
+        assert got == want
+        assert node1.wait(30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()

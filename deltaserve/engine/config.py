@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .. import envs
 from ..errors import ConfigError
 from ..spec_decode import SpeculativeConfig
 from .faults import FaultInjector
@@ -95,6 +96,12 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     distributed_timeout: float = 60.0
+    # Over several machines: nnodes launches, each starting tensor_parallel_size / nnodes ranks; node 0 runs the
+    # engine (rank 0), the others only workers; all meet at master_addr:master_port (None: a free local port).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     # Tests only: "PHASE:TOKEN_ID,..." raises inside that step phase for requests whose prompt holds the token
     # (engine/faults.py). None (the default) builds no injector and costs nothing.
     fault_injection: str | None = None
@@ -133,6 +140,13 @@ class EngineArgs:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_timeout <= 0:
             raise ConfigError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"nnodes must be >= 1 and divide tensor_parallel_size ({self.tensor_parallel_size}), "
+                              f"got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in [0, nnodes = {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ConfigError("nnodes > 1 needs master_port (the port node 0 listens on; or MASTER_PORT)")
         if self.tensor_parallel_size > 1:
             if self.backend == "native":
                 raise ConfigError("backend 'native' does not run tensor parallel yet; use 'torch' or 'auto'")
@@ -210,6 +224,17 @@ class EngineArgs:
         parser.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
                             help="seconds a step's collective may take before the engine fails its requests and "
                                  "stops")
+        env = envs.rendezvous()
+        parser.add_argument("--nnodes", type=int, default=d.nnodes,
+                            help="machines the --tensor-parallel-size ranks span, each launched with its "
+                                 "--node-rank; node 0 serves, the others run workers only")
+        parser.add_argument("--node-rank", type=int, default=env.get("node_rank", d.node_rank),
+                            help="this machine's place among --nnodes (default: NODE_RANK or GROUP_RANK, else 0)")
+        parser.add_argument("--master-addr", default=env.get("master_addr", d.master_addr),
+                            help="address of node 0, where the ranks meet (default: MASTER_ADDR, else 127.0.0.1)")
+        parser.add_argument("--master-port", type=int, default=env.get("master_port", d.master_port),
+                            help="port on node 0 where the ranks meet (default: MASTER_PORT, else a free local "
+                                 "port; needed with --nnodes > 1)")
         parser.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests: engine/faults.py
 
     @classmethod

@@ -101,12 +101,10 @@ class Workers:
     def __init__(self, args: EngineArgs, model_path: Path):
         self.world = args.tensor_parallel_size
         self.journal: list[tuple[int, ...]] = []
-        port = _free_port()
-        spec = json.dumps({"args": dataclasses.asdict(args), "model": str(model_path), "port": port})
-        self.processes = [subprocess.Popen([sys.executable, "-m", "deltaserve.engine.workers", str(rank), spec])
-                          for rank in range(1, self.world)]
+        port = args.master_port or _free_port()
+        self.processes = start_ranks(args, model_path, port, first=1)
         try:
-            _init_group(0, self.world, port, args.distributed_timeout)
+            _init_group(0, self.world, args.master_addr, port, args.distributed_timeout)
         except Exception:
             self.close()
             raise
@@ -148,11 +146,28 @@ class Workers:
                 p.wait()
 
 
+def start_ranks(args: EngineArgs, model_path: Path, port: int, first: int) -> list[subprocess.Popen]:
+    """Start this node's ranks from `first` on (`tensor_parallel_size / nnodes` ranks a node)."""
+    per_node = args.tensor_parallel_size // args.nnodes
+    spec = json.dumps({"args": dataclasses.asdict(args), "model": str(model_path), "port": port})
+    return [subprocess.Popen([sys.executable, "-m", "deltaserve.engine.workers", str(rank), spec])
+            for rank in range(max(first, args.node_rank * per_node), (args.node_rank + 1) * per_node)]
+
+
+def run_worker_node(args: EngineArgs, model_path: Path) -> int:
+    """A node other than 0 (`--node-rank` > 0): its ranks, until they end (rank 0 stops them, or is gone); the
+    highest exit status."""
+    processes = start_ranks(args, model_path, args.master_port, first=0)
+    log.info("node %d of %d: %d ranks (pids %s) meet at %s:%d", args.node_rank, args.nnodes, len(processes),
+             [p.pid for p in processes], args.master_addr, args.master_port)
+    return max(p.wait() for p in processes)
+
+
 def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None:
     """Rank `rank`: its shard, pools of rank 0's sizes, then steps until STOP or a failed collective (rank 0 gone:
     at the latest after distributed_timeout)."""
     torch.set_num_threads(max(1, torch.get_num_threads() // args.tensor_parallel_size))
-    _init_group(rank, args.tensor_parallel_size, port, args.distributed_timeout)
+    _init_group(rank, args.tensor_parallel_size, args.master_addr, port, args.distributed_timeout)
     try:
         shard = Shard(rank, args.tensor_parallel_size, args.enable_expert_parallel)
         dtype = resolve_dtype(args.dtype, load_config(model_path).torch_dtype).name
@@ -185,8 +200,8 @@ def _body_length(header: torch.Tensor) -> int:
     return 2 * N + (B + 1) + 3 * B + T + 4 * S + R + 2 * C + JOURNAL_WIDTH * J
 
 
-def _init_group(rank: int, world: int, port: int, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+def _init_group(rank: int, world: int, addr: str, port: int, timeout_s: float) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
 
 
