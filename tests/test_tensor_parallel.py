@@ -3,6 +3,7 @@ shard (heads, widths, vocabulary slices; experts split in width or placed whole)
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from deltaserve import LLM
+from deltaserve.cli import main
 from deltaserve.distributed import Shard
 from deltaserve.engine.core import EngineBrokenError
 from deltaserve.models.loader import load_model
@@ -171,3 +173,21 @@ def test_two_nodes_over_loopback(make_checkpoint):
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def test_bench_latency_reports_each_rank(make_checkpoint, tmp_path, capsys):
+    """`bench latency --tensor-parallel-size 2`: every rank's weight bytes (about half of one process's each, plus
+    what every rank holds whole), its pool bytes and rank 0's time in collectives per step, in the JSON and the
+    table."""
+    path = make_checkpoint("k31-tiny")
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", str(path), "--batch-size", "2", "--input-len", "16", "--output-len",
+                 "4", "--runs", "1", "--tensor-parallel-size", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())["parallel"]
+    assert "tensor parallel 2: rank 0:" in capsys.readouterr().out
+    one = load_model(path, "bfloat16")
+    total = sum(p.numel() * p.element_size() for p in one.parameters())
+    weights = report["rank_weight_bytes"]
+    assert len(weights) == 2 and weights[0] == weights[1] and total / 2 < weights[0] < 0.75 * total
+    assert report["rank_pool_bytes"][0] == report["rank_pool_bytes"][1] > 0
+    assert report["comm_s_per_step"] > 0 and report["comm_calls_per_step"] > 2

@@ -150,6 +150,10 @@ class PagePool:
         del self._by_hash[h]
         del self._tokens_of[block]
 
+    def storage(self) -> list[torch.Tensor]:
+        """Every page tensor (latent pages, indexer keys and their scales)."""
+        return list(self._storage)
+
     def copy_block(self, src: int, dst: int) -> None:
         for t in self._storage:
             t[dst].copy_(t[src])

@@ -4,7 +4,8 @@ collective returns its input, so the single-process path runs no extra code."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,15 +14,29 @@ import torch.distributed as dist
 from .sharding import ParallelConfig
 
 
+@dataclass
+class CommClock:
+    """Wall time this rank spent in collectives, and how many: tensor parallelism's communication time."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    def add(self, started: float) -> None:
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+
+
 @dataclass(frozen=True)
 class Shard:
     """Rank `rank` of `size` in torch.distributed group `group` (None: the default group); with `expert_parallel`
-    the routed experts are placed whole, a contiguous range a rank, instead of split in width."""
+    the routed experts are placed whole, a contiguous range a rank, instead of split in width. `clock` (when set)
+    adds up the time of every collective."""
 
     rank: int = 0
     size: int = 1
     expert_parallel: bool = False
     group: Any = None
+    clock: CommClock | None = field(default=None, compare=False)
 
     @property
     def layout(self) -> ParallelConfig:
@@ -41,7 +56,10 @@ class Shard:
         if self.size == 1:
             return x
         total = x.float().contiguous()
+        started = time.perf_counter()
         dist.all_reduce(total, group=self.group)
+        if self.clock is not None:
+            self.clock.add(started)
         return total.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -50,5 +68,8 @@ class Shard:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
+        started = time.perf_counter()
         dist.all_gather(parts, x, group=self.group)
+        if self.clock is not None:
+            self.clock.add(started)
         return torch.cat(parts, dim)

@@ -33,7 +33,7 @@ from .config import EngineArgs, resolve_dtype
 from .faults import FaultInjector, InjectedFault, RequestFailure, RequestFault, describe
 from .grammar import Grammars
 from .heap import keep_freed_memory
-from .pools import build_pools, size_pools
+from .pools import build_pools, pool_bytes, size_pools
 from .request import Request, RequestStatus
 from .runner import ForwardOutput, ModelRunner
 from .sampler import SampleOutput, Sampler, SamplingState, TokenLogprobs
@@ -106,7 +106,8 @@ class EngineCore:
         self.pages, self.states, self.checkpoints, self.drafts = build_pools(config, args, DTYPES[self.dtype.name],
                                                                              sizes, drafter_layers, shard)
         if self.workers is not None:
-            self.workers.share_pool_sizes(list(sizes))
+            self.workers.share_pools(list(sizes), self.weight_bytes,
+                                     pool_bytes(self.pages, self.states, self.checkpoints, self.drafts))
             for pool in (self.pages, self.states, self.checkpoints, self.drafts):
                 if pool is not None:
                     pool.journal = self.workers.journal
@@ -223,7 +224,22 @@ class EngineCore:
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for one process)."""
         if self.workers is not None:
+            report = self.parallel_report()
+            log.info("tensor parallel: %d steps, %.3f s in collectives on rank 0 (%.2f ms a step)",
+                     self.timer.steps, self.workers.clock.seconds, 1e3 * report["comm_s_per_step"])
             self.workers.close()
+
+    def parallel_report(self) -> dict | None:
+        """Over a tensor-parallel group: its layout, every rank's weight and cache pool bytes, and rank 0's time in
+        collectives (step broadcasts, the layers' all-reduces and gathers) per step so far; None for one process."""
+        if self.workers is None:
+            return None
+        clock, steps = self.workers.clock, max(self.timer.steps, 1)
+        return {"tensor_parallel_size": self.args.tensor_parallel_size,
+                "enable_expert_parallel": self.args.enable_expert_parallel,
+                "rank_weight_bytes": [w for w, _ in self.workers.rank_bytes],
+                "rank_pool_bytes": [p for _, p in self.workers.rank_bytes],
+                "comm_s_per_step": clock.seconds / steps, "comm_calls_per_step": clock.calls / steps}
 
     def take_failures(self) -> list[RequestFailure]:
         """The requests failed since the last call (each once)."""

@@ -57,6 +57,13 @@ def size_pools(config, args: EngineArgs, dtype: torch.dtype, drafter_layers: tup
     return PoolSizes(num_blocks, num_slots, num_ckpt, num_slots * k)
 
 
+def pool_bytes(*pools) -> int:
+    """Bytes the given pools (PagePool, StateSlots; None skipped) hold."""
+    tensors = [t for p in pools if p is not None
+               for t in (p.storage() if isinstance(p, PagePool) else (p.conv, p.recurrent))]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def build_pools(config, args: EngineArgs, dtype: torch.dtype, sizes: PoolSizes, drafter_layers: tuple[int, ...],
                 shard: Shard = Shard()) -> tuple[PagePool, StateSlots, StateSlots | None, StateSlots | None]:
     """(pages, working slots, checkpoints or None, draft states or None); the state pools numbered 0, 1, 2 for the

@@ -18,6 +18,7 @@ import logging
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,12 +28,14 @@ import torch.distributed as dist
 from ..backends.select import select_backend
 from ..cache.paged_cache import PagedCache
 from ..cache.state_slots import COPY, COPY_BLOCK, ZERO
-from ..distributed import Shard
+from ..distributed import CommClock, Shard
+from ..errors import ConfigError
 from ..layers.batch import DraftSlot
 from ..models.loader import DTYPES, load_config, load_model
 from .config import EngineArgs, resolve_dtype
-from .pools import PoolSizes, build_pools
+from .pools import PoolSizes, build_pools, pool_bytes
 from .runner import ModelRunner, StepLayout
+from .summary import weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +102,12 @@ class Workers:
     and the engine's arguments as JSON) and the journal rank 0's pools write to."""
 
     def __init__(self, args: EngineArgs, model_path: Path):
+        if dist.is_initialized():  # torch.distributed has one default group a process
+            raise ConfigError("this process already runs a tensor-parallel engine (or another torch.distributed "
+                              "group); close it first")
         self.world = args.tensor_parallel_size
         self.journal: list[tuple[int, ...]] = []
+        self.closed = False
         port = args.master_port or _free_port()
         self.processes = start_ranks(args, model_path, port, first=1)
         try:
@@ -108,25 +115,37 @@ class Workers:
         except Exception:
             self.close()
             raise
-        self.shard = Shard(0, self.world, args.enable_expert_parallel)
+        self.clock = CommClock()  # rank 0's collectives: the step broadcasts and the layers' own
+        self.shard = Shard(0, self.world, args.enable_expert_parallel, clock=self.clock)
+        self.rank_bytes: list[tuple[int, int]] = []  # per rank: (weight bytes, pool bytes)
         log.info("tensor parallel over %d ranks (gloo; expert parallel: %s); workers %s", self.world,
                  args.enable_expert_parallel, [p.pid for p in self.processes])
 
-    def share_pool_sizes(self, sizes: list[int]) -> None:
-        """Send rank 0's pool sizes: every rank builds the same pools."""
+    def share_pools(self, sizes: list[int], weight_bytes: int, pool_bytes: int) -> None:
+        """Send rank 0's pool sizes (every rank builds the same pools), then gather every rank's weight and pool
+        bytes (`rank_bytes`, logged)."""
         dist.broadcast(torch.tensor(sizes, dtype=torch.int64), src=0)
+        self.rank_bytes = _gather_bytes(weight_bytes, pool_bytes, self.world)
+        for rank, (weights, pools) in enumerate(self.rank_bytes):
+            log.info("rank %d: %d weight bytes, %d cache pool bytes", rank, weights, pools)
 
     def send_step(self, layout: StepLayout) -> None:
         header, body = encode(layout, self.journal)
         self.journal.clear()
+        started = time.perf_counter()
         dist.broadcast(header, src=0)
         dist.broadcast(body, src=0)
+        self.clock.add(started)
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.processes)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the workers: a STOP header while they all answer, else (a rank gone or hung) kill them; wait."""
+        """Stop the workers: a STOP header while they all answer, else (a rank gone or hung) kill them; wait. Once:
+        later calls (the engine's finalizer) do nothing."""
+        if self.closed:
+            return
+        self.closed = True
         stopped = False
         if dist.is_initialized():
             if self.alive():
@@ -174,7 +193,9 @@ def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None
         model = load_model(model_path, dtype=dtype, quantization=args.quantization, shard=shard)
         sizes = torch.empty(len(PoolSizes._fields), dtype=torch.int64)
         dist.broadcast(sizes, src=0)
-        cache = PagedCache(*build_pools(model.config, args, DTYPES[dtype], PoolSizes(*sizes.tolist()), (), shard))
+        pools = build_pools(model.config, args, DTYPES[dtype], PoolSizes(*sizes.tolist()), (), shard)
+        _gather_bytes(weight_bytes(model), pool_bytes(*pools), args.tensor_parallel_size)
+        cache = PagedCache(*pools)
         backend = select_backend(args.backend, args.ops, args.tensor_parallel_size)
         backend.prepare(model)
         runner = ModelRunner(model, cache, backend)
@@ -193,6 +214,13 @@ def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _gather_bytes(weights: int, pools: int, world: int) -> list[tuple[int, int]]:
+    mine = torch.tensor([weights, pools], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return [(int(t[0]), int(t[1])) for t in every]
 
 
 def _body_length(header: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ import torch
 from ..engine.config import EngineArgs
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
-from .bench_report import emit, format_table, machine_info, new_figure, save_figure, summarize_runs
+from .bench_report import emit, format_table, machine_info, new_figure, parallel_lines, save_figure, summarize_runs
 from .corpus import VALIDATION_PATH
 
 
@@ -87,13 +87,14 @@ def run_throughput(args: argparse.Namespace) -> str:
         points.append({"num_prompts": n, "runs": runs, "summary": summarize_runs(runs)})
     config = {"model": str(engine.model_path), "dtype": engine.dtype, "input_len": args.input_len,
               "output_len": args.output_len, "runs": args.runs, "ops": args.ops}
-    payload = {"bench": "throughput", "config": config, "machine": machine_info(), "points": points}
+    parallel, parallel_text = parallel_lines(engine)
+    payload = {"bench": "throughput", "config": config, "machine": machine_info(), "points": points, **parallel}
     metrics = ["output_tokens_per_s", "decode_tokens_per_s", "prompt_tokens_per_s", "requests_per_s", "mean_ttft_s"]
     rows = [[p["num_prompts"], m, p["summary"][m]["median"], p["summary"][m]["min"], p["summary"][m]["max"]]
             for p in points for m in metrics]
     table = (f"throughput  model={engine.model_path} dtype={engine.dtype} threads={torch.get_num_threads()} "
              f"input_len={args.input_len} output_len={args.output_len} runs={args.runs}\n"
-             + format_table(["prompts", "metric", "median", "min", "max"], rows))
+             + format_table(["prompts", "metric", "median", "min", "max"], rows) + parallel_text)
 
     def plot(path: str) -> None:
         fig, (ax,) = new_figure()

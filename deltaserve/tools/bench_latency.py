@@ -16,7 +16,8 @@ import statistics
 from ..engine.config import EngineArgs
 from ..engine.llm_engine import LLMEngine
 from .bench import drive, random_prompts
-from .bench_report import emit, format_summary, machine_info, new_figure, save_figure, summarize_runs
+from .bench_report import (emit, format_summary, machine_info, new_figure, parallel_lines, save_figure,
+                           summarize_runs)
 
 
 def latency_run(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> tuple[dict, list[float]]:
@@ -46,9 +47,11 @@ def run_latency(args: argparse.Namespace) -> str:
     summary = summarize_runs(runs)
     config = {"model": str(engine.model_path), "dtype": engine.dtype, "batch_size": args.batch_size,
               "input_len": args.input_len, "output_len": args.output_len, "runs": args.runs, "ops": args.ops}
+    parallel, parallel_text = parallel_lines(engine)
     payload = {"bench": "latency", "config": config, "machine": machine_info(), "runs": runs, "summary": summary,
-               "decode_steps_s": steps}
-    table = "latency  " + " ".join(f"{k}={v}" for k, v in config.items()) + "\n" + format_summary(summary)
+               "decode_steps_s": steps, **parallel}
+    table = ("latency  " + " ".join(f"{k}={v}" for k, v in config.items()) + "\n" + format_summary(summary)
+             + parallel_text)
 
     def plot(path: str) -> None:
         fig, (ax1, ax2) = new_figure(2)

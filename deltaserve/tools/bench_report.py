@@ -126,3 +126,17 @@ def emit(args: argparse.Namespace, payload: dict, table: str, plot: Callable[[st
     if getattr(args, "plot", None) and plot is not None:
         plot(args.plot)
     return table
+
+
+def parallel_lines(engine) -> tuple[dict, str]:
+    """The engine's tensor-parallel report (engine/core.py `parallel_report`) for a bench payload, and its lines
+    for the table ("" and {} for one process)."""
+    report = engine.core.parallel_report()
+    if report is None:
+        return {}, ""
+    ranks = ", ".join(f"rank {r}: {w / 1e6:.1f} MB weights + {p / 1e6:.1f} MB pools"
+                      for r, (w, p) in enumerate(zip(report["rank_weight_bytes"], report["rank_pool_bytes"])))
+    return {"parallel": report}, (f"\ntensor parallel {report['tensor_parallel_size']}"
+                                  f"{' (expert parallel)' if report['enable_expert_parallel'] else ''}: {ranks}; "
+                                  f"rank 0 in collectives {1e3 * report['comm_s_per_step']:.2f} ms a step "
+                                  f"({report['comm_calls_per_step']:.1f} calls)")
