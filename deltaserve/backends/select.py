@@ -9,16 +9,12 @@ from .native import NativeBackend
 from .torch_backend import TorchBackend
 
 
-def select_backend(name: str, ops: str, tensor_parallel_size: int = 1) -> Backend:
+def select_backend(name: str, ops: str) -> Backend:
     """The backend for `--backend name` ("auto", "torch" or "native") and `--ops ops`, with the reason it was
     chosen. `--ops reference` runs on torch; auto takes native where `ops/native.py native_choice` says the kernels
     suit this CPU. Raises ConfigError for native when the kernels did not build, or with the reference ops. Over a
-    tensor-parallel group the modules run (the native programs do not all-reduce between their blocks)."""
-    if tensor_parallel_size > 1:
-        if name == "native":
-            raise ConfigError("--backend native does not run tensor parallel yet; use --backend torch or auto")
-        return TorchBackend("reference" if ops == "reference" else "fast",
-                            f"tensor parallel over {tensor_parallel_size} ranks: the modules, which all-reduce")
+    tensor-parallel group the native backend runs its modules' native forms, never its programs (their fused blocks
+    do not stop for the all-reduces)."""
     if ops == "reference":
         if name == "native":
             raise ConfigError("--ops reference runs on the torch backend; it cannot run with --backend native")

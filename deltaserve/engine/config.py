@@ -148,8 +148,6 @@ class EngineArgs:
         if self.nnodes > 1 and self.master_port is None:
             raise ConfigError("nnodes > 1 needs master_port (the port node 0 listens on; or MASTER_PORT)")
         if self.tensor_parallel_size > 1:
-            if self.backend == "native":
-                raise ConfigError("backend 'native' does not run tensor parallel yet; use 'torch' or 'auto'")
             if self.speculative is not None:
                 raise ConfigError("speculative decoding does not run with tensor_parallel_size > 1 yet")
         FaultInjector.parse(self.fault_injection)  # a malformed spec fails here, not in the engine process

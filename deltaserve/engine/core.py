@@ -90,7 +90,7 @@ class EngineCore:
         self.weight_bytes = weight_bytes(self.model)
         self.weight_bytes_by_format = weight_bytes_by_format(self.model)
         log.info("loaded %.1f MB of weights in %.1f s", self.weight_bytes / 1e6, time.monotonic() - started)
-        self.backend = select_backend(args.backend, args.ops, args.tensor_parallel_size)
+        self.backend = select_backend(args.backend, args.ops)
         self.backend_prepared = self.backend.prepare(self.model)
         log.info("backend %s (%s): %s", self.backend.name, self.backend.reason, self.backend_prepared)
         config = self.config = self.model.config

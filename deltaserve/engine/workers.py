@@ -98,8 +98,8 @@ def replay(journal: list[tuple[int, ...]], cache: PagedCache) -> None:
 
 
 class Workers:
-    """Rank 0's side: the worker processes of one engine (`python -m deltaserve.engine.workers`, each given its rank
-    and the engine's arguments as JSON) and the journal rank 0's pools write to."""
+    """Rank 0's side: the worker processes of one engine (`python -m deltaserve.engine.rank`, each given its rank and
+    the engine's arguments as JSON) and the journal rank 0's pools write to."""
 
     def __init__(self, args: EngineArgs, model_path: Path):
         if dist.is_initialized():  # torch.distributed has one default group a process
@@ -169,7 +169,7 @@ def start_ranks(args: EngineArgs, model_path: Path, port: int, first: int) -> li
     """Start this node's ranks from `first` on (`tensor_parallel_size / nnodes` ranks a node)."""
     per_node = args.tensor_parallel_size // args.nnodes
     spec = json.dumps({"args": dataclasses.asdict(args), "model": str(model_path), "port": port})
-    return [subprocess.Popen([sys.executable, "-m", "deltaserve.engine.workers", str(rank), spec])
+    return [subprocess.Popen([sys.executable, "-m", "deltaserve.engine.rank", str(rank), spec])
             for rank in range(max(first, args.node_rank * per_node), (args.node_rank + 1) * per_node)]
 
 
@@ -196,7 +196,7 @@ def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None
         pools = build_pools(model.config, args, DTYPES[dtype], PoolSizes(*sizes.tolist()), (), shard)
         _gather_bytes(weight_bytes(model), pool_bytes(*pools), args.tensor_parallel_size)
         cache = PagedCache(*pools)
-        backend = select_backend(args.backend, args.ops, args.tensor_parallel_size)
+        backend = select_backend(args.backend, args.ops)
         backend.prepare(model)
         runner = ModelRunner(model, cache, backend)
         header = torch.empty(HEADER, dtype=torch.int64)
@@ -238,8 +238,3 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-if __name__ == "__main__":  # a worker process: RANK and the JSON Workers wrote
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _spec = json.loads(sys.argv[2])
-    worker_main(int(sys.argv[1]), EngineArgs(**_spec["args"]), _spec["model"], _spec["port"])

@@ -140,9 +140,10 @@ class NativeExperts(Experts):
                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
         """The routed experts' output; with `shared` (`NativeMLP.shared_packs`) plus that MLP's, computed in the
         same kernel pass and added as `MoE` adds them."""
-        if x.dtype != torch.bfloat16:
+        if x.dtype != torch.bfloat16 or bool((routing.experts < 0).any()):  # expert -1: another rank's (torch's)
             if shared is not None:
-                raise ValueError("NativeExperts: a shared MLP runs in the expert pass only on bf16 rows")
+                raise ValueError("NativeExperts: a shared MLP runs in the expert pass only on bf16 rows of this "
+                                 "rank's experts")
             return super().forward(x, routing)
         return moe_bf16(x.contiguous(), routing.experts, routing.weights, self.w1, self.w3, self.w2,
                         packed=self.column_packs(), situ=situ_params(self.config), shared=shared)
@@ -239,8 +240,8 @@ class NativeMoE(MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts
-        if (self.latent or type(self.experts) not in (NativeExperts, NativeMXExperts) or type(shared) is not NativeMLP
-                or x.dtype != torch.bfloat16):
+        if (self.latent or self.expert_parallel or type(self.experts) not in (NativeExperts, NativeMXExperts)
+                or type(shared) is not NativeMLP or x.dtype != torch.bfloat16):
             return super().forward(x)
         # the shared MLP's products overlap the routed experts' weight stream
         if type(self.experts) is NativeExperts:
