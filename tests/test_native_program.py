@@ -238,19 +238,26 @@ def test_wide_verify_program_equals_the_modules(make_checkpoint, monkeypatch, pr
     assert taken == [True]
 
 
+def _mtp_block_twins(path, seed: int):
+    """A native bf16 model, its backend and two paged caches whose MTP layer latent pages hold the same random
+    rows."""
+    model, backend = native_model(path)
+    L = model.config.num_layers
+    caches = [PagedCache(PagePool(model.config, 4, 16, torch.bfloat16, drafter_layers=(L,)),
+                         StateSlots(model.config, 5)) for _ in "ab"]
+    init = torch.randn(caches[0].pages.latent_rows(L).shape, generator=torch.Generator().manual_seed(seed)) * 0.1
+    for cache in caches:
+        cache.pages.latent_rows(L).copy_(init.to(torch.bfloat16))
+    return model, backend, caches
+
+
 def test_an_mtp_block_runs_as_a_program(make_checkpoint, monkeypatch):
     """The backend runs an MTP layer's block (MLA or DSA + FFN, its latent in the pool's drafter layer) as a program
     of its own: decode steps through it give the modules' outputs and pages (DSA to bf16 rounding)."""
     taken = count_programs(monkeypatch)
-    model, backend = native_model(make_checkpoint("k31-tiny"))
-    block = model.mtp[0].block
+    model, backend, caches = _mtp_block_twins(make_checkpoint("k31-tiny"), seed=1)
+    block, L = model.mtp[0].block, model.config.num_layers
     dsa = block.self_attn.indexer is not None
-    L = model.config.num_layers
-    caches = [PagedCache(PagePool(model.config, 4, 16, torch.bfloat16, drafter_layers=(L,)),
-                         StateSlots(model.config, 5)) for _ in "ab"]
-    init = (torch.randn(caches[0].pages.latent_rows(L).shape, generator=torch.Generator().manual_seed(1)) * 0.1)
-    for cache in caches:
-        cache.pages.latent_rows(L).copy_(init.to(torch.bfloat16))
     slots = [1, 0, 3]
     g = torch.Generator().manual_seed(6)
     with torch.inference_mode():
@@ -268,15 +275,9 @@ def test_an_mtp_catch_up_of_several_rows_runs_as_a_program(make_checkpoint, monk
     runs as a program whose rows attend in the decode form: its outputs and pages are those of the rows run one
     position at a time."""
     taken = count_programs(monkeypatch)
-    model, backend = native_model(make_checkpoint("k31-tiny"))
-    block = model.mtp[0].block
+    model, backend, caches = _mtp_block_twins(make_checkpoint("k31-tiny"), seed=3)
+    block, L = model.mtp[0].block, model.config.num_layers
     assert block.self_attn.indexer is None  # K3.1's MTP block: gated MLA, bit for bit
-    L = model.config.num_layers
-    caches = [PagedCache(PagePool(model.config, 4, 16, torch.bfloat16, drafter_layers=(L,)),
-                         StateSlots(model.config, 4)) for _ in "ab"]
-    init = (torch.randn(caches[0].pages.latent_rows(L).shape, generator=torch.Generator().manual_seed(3)) * 0.1)
-    for cache in caches:
-        cache.pages.latent_rows(L).copy_(init.to(torch.bfloat16))
     seqs = [(1, 5, 3), (3, 2, 1)]  # (page, first position, rows)
 
     def catch_up(cache, seqs, decode_form):
