@@ -61,6 +61,10 @@ class ParallelConfig:
         if n == 1:
             return
         counts = {"num_attention_heads": config.num_heads, "vocab_size": config.vocab_size}
+        if any(config.ffn_kind(l) != "moe" for l in range(config.num_layers)):
+            counts["intermediate_size"] = config.intermediate_size
+        if config.routed_expert_hidden_size:
+            counts["routed_expert_hidden_size"] = config.routed_expert_hidden_size
         if config.kda_layers:
             counts["kda num_heads"] = config.kda_num_heads
         if config.dsa_layers and config.index_n_heads:

@@ -40,7 +40,7 @@ from .sampler import SampleOutput, Sampler, SamplingState, TokenLogprobs
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler, StepPlan
 from .step_timer import StepTimer
-from .workers import Workers
+from .workers import RanksOutOfStep, Workers
 from .summary import EngineSummary, layer_mix, quantization_text, weight_bytes, weight_bytes_by_format
 
 log = logging.getLogger(__name__)
@@ -213,11 +213,10 @@ class EngineCore:
         self.timer.steps += 1
         try:
             return self._run(plan)
+        except RanksOutOfStep as exc:  # no step can run on the ranks any more
+            self._fail_all("step", exc)
+            raise EngineBrokenError(f"{exc}; the engine stops") from exc
         except Exception as exc:  # noqa: BLE001 — not attributable to one request: the whole batch fails
-            if self.workers is not None:  # the ranks may be out of step: nothing can run on them any more
-                self._fail_all("step", exc)
-                raise EngineBrokenError(f"a tensor-parallel step failed ({type(exc).__name__}: {exc}); "
-                                        "the engine stops") from exc
             self._fail_batch(plan, "step", exc)
             return []
 
@@ -273,6 +272,10 @@ class EngineCore:
                 plan = self._without_failed(plan)
                 if not plan.chunks:
                     return []
+            except Exception as exc:
+                if self.workers is not None:
+                    raise RanksOutOfStep(f"a tensor-parallel step failed ({type(exc).__name__}: {exc})") from exc
+                raise
         if self.logits_observer is not None:
             self.logits_observer([r for r, k in zip(fwd.sampled, fwd.num_rows) for _ in range(k)], fwd.logits)
         with timer.phase("update"):

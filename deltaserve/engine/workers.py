@@ -7,8 +7,9 @@ changes since the last step (slots zeroed or copied, pages copied: cache/state_s
 in order before running the same step; every collective inside the forward (the layers' all-reduces, the logits'
 gather) then pairs up rank by rank. A header of kind STOP ends the workers.
 
-Failure: a collective that does not complete within `distributed_timeout` seconds raises on every rank still
-there; rank 0 then fails its requests and the engine stops (EngineCore); a worker whose peer is gone exits."""
+Failure: a step's collective that does not complete within `distributed_timeout` seconds raises on every rank still
+there; rank 0 then fails its requests and the engine stops (EngineCore); a worker whose peer is gone exits. Start-up
+(joining, loading the shards) may take up to STARTUP_TIMEOUT_S."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 STEP, STOP = 1, 0
 HEADER = 8  # kind, rows, sequences, table entries, snapshots, sample rows, scorings, journal entries
+STARTUP_TIMEOUT_S = 600  # loading a large checkpoint's shard takes minutes
 JOURNAL_WIDTH = 5  # the longest journal entry, COPY's; shorter ones are padded with -1
 
 
@@ -108,15 +110,16 @@ class Workers:
         self.world = args.tensor_parallel_size
         self.journal: list[tuple[int, ...]] = []
         self.closed = False
+        _share_cores(args)
         port = args.master_port or _free_port()
         self.processes = start_ranks(args, model_path, port, first=1)
         try:
-            _init_group(0, self.world, args.master_addr, port, args.distributed_timeout)
+            self.group = _init_groups(0, self.world, args.master_addr, port, args.distributed_timeout)
         except Exception:
             self.close()
             raise
         self.clock = CommClock()  # rank 0's collectives: the step broadcasts and the layers' own
-        self.shard = Shard(0, self.world, args.enable_expert_parallel, clock=self.clock)
+        self.shard = Shard(0, self.world, args.enable_expert_parallel, self.group, clock=self.clock)
         self.rank_bytes: list[tuple[int, int]] = []  # per rank: (weight bytes, pool bytes)
         log.info("tensor parallel over %d ranks (gloo; expert parallel: %s); workers %s", self.world,
                  args.enable_expert_parallel, [p.pid for p in self.processes])
@@ -133,8 +136,8 @@ class Workers:
         header, body = encode(layout, self.journal)
         self.journal.clear()
         started = time.perf_counter()
-        dist.broadcast(header, src=0)
-        dist.broadcast(body, src=0)
+        dist.broadcast(header, src=0, group=self.group)
+        dist.broadcast(body, src=0, group=self.group)
         self.clock.add(started)
 
     def alive(self) -> bool:
@@ -150,7 +153,8 @@ class Workers:
         if dist.is_initialized():
             if self.alive():
                 try:
-                    dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64), src=0)
+                    dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64), src=0,
+                                   group=self.group)
                     stopped = True
                 except RuntimeError:
                     log.warning("the workers did not take the stop message; killing them")
@@ -185,10 +189,10 @@ def run_worker_node(args: EngineArgs, model_path: Path) -> int:
 def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None:
     """Rank `rank`: its shard, pools of rank 0's sizes, then steps until STOP or a failed collective (rank 0 gone:
     at the latest after distributed_timeout)."""
-    torch.set_num_threads(max(1, torch.get_num_threads() // args.tensor_parallel_size))
-    _init_group(rank, args.tensor_parallel_size, args.master_addr, port, args.distributed_timeout)
+    _share_cores(args)
+    group = _init_groups(rank, args.tensor_parallel_size, args.master_addr, port, args.distributed_timeout)
     try:
-        shard = Shard(rank, args.tensor_parallel_size, args.enable_expert_parallel)
+        shard = Shard(rank, args.tensor_parallel_size, args.enable_expert_parallel, group)
         dtype = resolve_dtype(args.dtype, load_config(model_path).torch_dtype).name
         model = load_model(model_path, dtype=dtype, quantization=args.quantization, shard=shard)
         sizes = torch.empty(len(PoolSizes._fields), dtype=torch.int64)
@@ -201,11 +205,11 @@ def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None
         runner = ModelRunner(model, cache, backend)
         header = torch.empty(HEADER, dtype=torch.int64)
         while True:
-            dist.broadcast(header, src=0)
+            dist.broadcast(header, src=0, group=group)
             if int(header[0]) == STOP:
                 return
             body = torch.empty(_body_length(header), dtype=torch.int64)
-            dist.broadcast(body, src=0)
+            dist.broadcast(body, src=0, group=group)
             layout, journal = decode(header, body)
             replay(journal, cache)
             runner.run_layout(layout)
@@ -214,6 +218,17 @@ def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _share_cores(args: EngineArgs) -> None:
+    """This node's ranks split its cores: each takes its share of the threads torch would use alone."""
+    per_node = args.tensor_parallel_size // args.nnodes
+    torch.set_num_threads(max(1, torch.get_num_threads() // per_node))
+
+
+class RanksOutOfStep(RuntimeError):
+    """A tensor-parallel step failed while the ranks were running it: some may have gone past a collective others
+    never reached, so none can run another step."""
 
 
 def _gather_bytes(weights: int, pools: int, world: int) -> list[tuple[int, int]]:
@@ -228,9 +243,13 @@ def _body_length(header: torch.Tensor) -> int:
     return 2 * N + (B + 1) + 3 * B + T + 4 * S + R + 2 * C + JOURNAL_WIDTH * J
 
 
-def _init_group(rank: int, world: int, addr: str, port: int, timeout_s: float) -> None:
+def _init_groups(rank: int, world: int, addr: str, port: int, step_timeout_s: float):
+    """Join the ranks: the default group, whose start-up collectives (the rendezvous, the pool sizes rank 0 sends
+    once it has loaded its weights, the bytes report) wait up to STARTUP_TIMEOUT_S, and the group the steps run on,
+    whose collectives wait `step_timeout_s` (--distributed-timeout). Returns the step group."""
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, step_timeout_s)))
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=step_timeout_s))
 
 
 def _free_port() -> int:

@@ -113,8 +113,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     _swap_stored_mx(model, config, shapes, stored_schemes(quantization_config_of(raw)))
     params = dict(model.named_parameters()) | quantized_tensors(model)
     plan, mtp_seen = _plan(config, shapes, params)
-    if shard.size > 1:
-        plan = _held_targets(plan, shard)
+    if shard.size > 1 and shard.expert_parallel and config.num_experts:
+        plan = _held_targets(plan, shard.span(config.num_experts))
     _check_coverage(config, model, params, plan, mtp_seen)
 
     total = sum(_nbytes(shapes[n], 2) for n in shapes)
@@ -152,28 +152,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     return model
 
 
-def _held_targets(plan: dict, shard: Shard) -> dict:
-    """The plan of one expert-parallel rank: its own experts renumbered from 0, the others' dropped (never read)."""
-    if not shard.expert_parallel:
-        return plan
+def _held_targets(plan: dict, span: range) -> dict:
+    """The plan of one expert-parallel rank holding experts `span`: those renumbered from 0, the others' tensors
+    dropped (never read)."""
     held = {}
     for name, tgts in plan.items():
-        kept = []
-        for t in tgts:
-            if t.expert is None:
-                kept.append(t)
-                continue
-            span = shard.span(_num_experts_of(t.param, plan))
-            if t.expert in span:
-                kept.append(Target(t.param, t.expert - span.start, t.convert))
+        kept = [t if t.expert is None else Target(t.param, t.expert - span.start, t.convert)
+                for t in tgts if t.expert is None or t.expert in span]
         if kept:
             held[name] = kept
     return held
-
-
-def _num_experts_of(param: str, plan: dict) -> int:
-    """How many experts the checkpoint gives stacked parameter `param` (one tensor each)."""
-    return 1 + max(t.expert for tgts in plan.values() for t in tgts if t.param == param)
 
 
 def _read(handle, name: str, tgts: list[Target], shard: Shard) -> torch.Tensor:
