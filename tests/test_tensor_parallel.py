@@ -20,6 +20,7 @@ from deltaserve.cli import main
 from deltaserve.distributed import Shard
 from deltaserve.engine.core import EngineBrokenError
 from deltaserve.models.loader import load_model
+from block_utils import count_programs
 from engine_utils import assert_pools_free, greedy, make_llm, pool_bytes, random_prompts
 from parallel_utils import LAYOUTS, sharded_logits
 from server_utils import cmdline, descendants, free_port, iter_sse, pid_alive, run_server, wait_until
@@ -197,12 +198,15 @@ def test_bench_latency_reports_each_rank(make_checkpoint, tmp_path, capsys):
     ("kimi-linear-tiny", dict(tensor_parallel_size=2)),
     ("deepseek-v32-tiny", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
 ])
-def test_native_backend_on_each_rank(make_checkpoint, preset, parallel):
-    """bf16 over 2 ranks on the native backend: every rank runs its modules' native forms on its shard (never the
-    programs, whose fused blocks add the residual before any all-reduce), and gives the greedy tokens of the same
-    ranks on the torch backend but where the kernels' other summation order meets a near-tie (top-2 logprob gap
-    under 0.05 nats at the first difference). Against one process the fp32 tests above hold: in bf16 each rank's
-    partial sums are rounded before the all-reduce, which moves a router's or the output's near-ties."""
+def test_native_backend_on_each_rank(make_checkpoint, monkeypatch, preset, parallel):
+    """bf16 over 2 ranks on the native backend: every rank runs its modules' native forms on its shard and its decode
+    steps as programs whose blocks write the rank's partial output, all-reduced between native segments ("reduce"
+    nodes; the blocks that need every rank inside the kernel — an indexer's top-k, experts across ranks — on the
+    modules), and gives the greedy tokens of the same ranks on the torch backend but where the kernels' other
+    summation order meets a near-tie (top-2 logprob gap under 0.05 nats at the first difference). Against one
+    process the fp32 tests above hold: in bf16 each rank's partial sums are rounded before the all-reduce, which
+    moves a router's or the output's near-ties."""
+    taken = count_programs(monkeypatch)
     path = make_checkpoint(preset)
     prompts = random_prompts([5, 18, 33, 47], seed=12, high=1000)
     params = greedy(16, logprobs=2)
@@ -212,9 +216,12 @@ def test_native_backend_on_each_rank(make_checkpoint, preset, parallel):
     with LLM(str(path), backend="native", **kw) as native:
         engine = native.engine
         assert engine.core.backend.name == "native"
-        assert "native forms" in engine.core.backend_prepared and "no programs" in engine.core.backend_prepared
+        assert "native forms" in engine.core.backend_prepared and "(rank 0 of 2)" in engine.core.backend_prepared
         assert type(engine.model.layers[0].self_attn).__name__.startswith("Native")
         got = native.generate(prompts, params, use_tqdm=False)
+        programs = [p for p in engine.core.backend.programs._by_kind.values() if p._value is not None]
+        kinds = {k for p in programs for seg in p._value.segments for k in (seg.kinds or [seg.node.kind])}
+    assert any(taken) and {"reduce", "kda" if preset == "kimi-linear-tiny" else "ffn"} <= kinds, kinds
     same = 0
     for g, w in zip(got, want):
         g, w = g.outputs[0], w.outputs[0]

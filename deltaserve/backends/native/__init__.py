@@ -3,9 +3,9 @@
 At load, the leaf modules whose weights the kernels take get their native forms (modules.py). Each step of a kind
 the programs take (program.py: a step over the paged caches of at most `BLOCK_MAX_ROWS` rows) runs as that kind's
 program of fused blocks (blocks.py), with the modules of the sub-blocks the blocks cannot take in between; any other
-step (a plain forward without a cache, a longer step) runs the modules, on their native forms. So does every step of
-a model built for one rank of a tensor-parallel group: a program's fused blocks add the residual inside the kernel,
-where that rank's partial sum must first be all-reduced with the other ranks' (docs/parallel.md).
+step (a plain forward without a cache, a longer step) runs the modules, on their native forms. On a rank of a
+tensor-parallel group a block writes the rank's partial output, all-reduced between the native segments before the
+residual add (program.py); blocks that need the other ranks inside the kernel run the modules (docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ class NativeBackend(Backend):
     def prepare(self, model: torch.nn.Module) -> str:
         dtype = model.embed_tokens.weight.dtype  # MX modules hold no float weights: the model's dtype decides
         changed = adopt(model, NATIVE_FORMS, lambda module: kernels_take(module, dtype))
-        ranks = f" (rank {model.shard.rank} of {model.shard.size}: no programs)" if model.shard.size > 1 else ""
+        ranks = f" (rank {model.shard.rank} of {model.shard.size})" if model.shard.size > 1 else ""
         return f"native forms for {changed} modules{ranks}"
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         h = model.embed_tokens(input_ids)
-        out = self.programs.run(model, h, batch) if model.shard.size == 1 else None
+        out = self.programs.run(model, h, batch)
         return out if out is not None else model.run_layers(h, Eager(batch))
 
     def run_block(self, layer: torch.nn.Module, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 
 from ...layers.batch import DraftSlot, StepBatch
 from ...layers.derived import Derived
+from ...layers.moe import MoE
 from ...models.decoder import AttnResQuery, DecoderLayer, Eager
 from ...ops import native
 from ...ops.native_contract import (LINEAR_MAX_ROWS, MAX_MIX_SOURCES, SOP_DSA, SOP_FFN, SOP_KDA, SOP_MIX, SOP_MLA,
@@ -69,7 +70,9 @@ class _Node:
     """One recorded sub-block or mix: the values it reads and the value it writes (value 0: the embedded input).
     `op` is the native op record (registers filled in at allocation), or None for a call of the modules."""
 
-    kind: str  # "kda", "mla", "dsa", "ffn", "mix" (native) or "attention-modules", "ffn-modules", "mix-modules"
+    # "kda", "mla", "dsa", "ffn", "mix" (native); "attention-modules", "ffn-modules", "mix-modules"; "reduce" (a
+    # tensor-parallel rank's partial sub-block output all-reduced, then added to its residual)
+    kind: str
     inputs: list[int]
     out: int
     op: StackOp | None = None
@@ -96,6 +99,12 @@ class ProgramWriter:
 
     def _sub_block(self, plan: Plan | None, modules_kind: str, layer: DecoderLayer, x: int,
                    residual: int | None) -> int:
+        """The sub-block as a native op, or a call of the modules. On a rank of a tensor-parallel group the op
+        writes the rank's partial output and a "reduce" node all-reduces it and adds the residual (the modules do
+        both themselves); blocks that need the other ranks inside the kernel stay on the modules."""
+        sharded = layer.shard.size > 1
+        if sharded and plan is not None and not _takes_a_shard(plan):
+            plan = None
         out = self._value()
         inputs = [x] if residual is None else [x, residual]
         fields = _cache_fields(plan, self.cache) if plan is not None and self.kind.takes(plan) else None
@@ -107,7 +116,13 @@ class ProgramWriter:
         if plan.kind == "kda":
             self.kda_modules.append(plan.module)
         op = StackOp(kind=_OPS[plan.kind], descriptor=desc.address, **fields)
-        self.nodes.append(_Node(plan.kind, inputs, out, op=op, residual=residual is not None))
+        if not sharded:
+            self.nodes.append(_Node(plan.kind, inputs, out, op=op, residual=residual is not None))
+            return out
+        partial = out
+        self.nodes.append(_Node(plan.kind, [x], partial, op=op))
+        out = self._value()
+        self.nodes.append(_Node("reduce", [partial] + inputs[1:], out, layer=layer, residual=residual is not None))
         return out
 
     def attention(self, layer: DecoderLayer, x: int, residual: int | None) -> int:
@@ -127,6 +142,16 @@ class ProgramWriter:
                      eps=query.eps, nsources=len(sources))
         self.nodes.append(_Node("mix", list(sources), out, op=op))
         return out
+
+
+def _takes_a_shard(plan: Plan) -> bool:
+    """A block whose kernel runs a tensor-parallel rank's part alone: not a DSA layer's indexer (its top-k needs
+    every rank's scores), a latent MoE (its norm needs every rank's latent sum) or experts placed across ranks."""
+    if plan.kind == "dsa":
+        return plan.module.indexer is None
+    if plan.kind == "ffn" and isinstance(plan.module, MoE):
+        return not (plan.module.latent or plan.module.expert_parallel)
+    return True
 
 
 def _mix_on_native(query: AttnResQuery) -> bool:
@@ -282,6 +307,9 @@ class Program:
 
 def _run_modules(node: _Node, regs: torch.Tensor, eager: Eager) -> torch.Tensor:
     values = [regs[r] for r in node.in_regs]
+    if node.kind == "reduce":
+        total = node.layer.shard.all_reduce(values[0])
+        return values[1] + total if node.residual else total
     if node.kind == "mix-modules":
         return eager.mix(node.query, values)
     residual = values[1] if node.residual else None
