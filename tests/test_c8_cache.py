@@ -10,7 +10,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.cache.page_pool import PagePool, c8_row_bytes
 from deltaserve.config import ModelConfig
 from deltaserve.engine.config import CACHE_8BIT, EngineArgs
-from deltaserve.engine.core import _size_pools
+from deltaserve.engine.pools import size_pools
 from deltaserve.ops.qsfa import quantize_latent
 from deltaserve.tools.presets import get_preset
 from engine_utils import assert_pools_free, make_llm, random_prompts
@@ -42,8 +42,8 @@ def test_tokens_that_fit(kv):
                 block_size=16)
     fits = {}
     for name in ("auto", kv):
-        pages, _, _, _ = _size_pools(c, EngineArgs(kv_cache_dtype=name, **base), torch.bfloat16)
-        fits[name] = pages.num_blocks * pages.block_size
+        sizes = size_pools(c, EngineArgs(kv_cache_dtype=name, **base), torch.bfloat16, ())
+        fits[name] = sizes.num_blocks * base["block_size"]
     assert fits[kv] >= 1.7 * fits["auto"], fits
 
 
