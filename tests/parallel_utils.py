@@ -4,7 +4,6 @@ and writing what rank 0 of each group computed to a safetensors file (never pick
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,15 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from deltaserve.distributed import Shard
 from deltaserve.models.loader import load_model
+from server_utils import free_port
 
 # (ranks a group, expert parallel): every layout a world of 4 ranks runs, groups of 2 side by side
 LAYOUTS = [(2, False), (2, True), (4, False), (4, True)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, prompt: list[int], out: str) -> None:

@@ -138,10 +138,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = self.gate(x)
-        if self.expert_parallel:
-            routing = self._held_here(routing)
         if self.latent:
-            r = self.shard.all_reduce(self.experts(self.routed_expert_down_proj(x), routing))
+            r = self.shard.all_reduce(self._routed(self.routed_expert_down_proj(x), routing))
             if self.routed_expert_norm is not None:
                 r = self.routed_expert_norm(r)
             if self.shard.size > 1:
@@ -149,13 +147,17 @@ class MoE(nn.Module):
                 r = r[:, span.start:span.stop]
             out = self.routed_expert_up_proj(r)
         else:
-            out = self.experts(x, routing)
+            out = self._routed(x, routing)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
-    def _held_here(self, routing: Routing) -> Routing:
-        """The routing with expert ids local to this expert-parallel rank, -1 for the experts other ranks hold."""
+    def _routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The routed experts' output; on an expert-parallel rank only the choices of the experts it holds count
+        (the others' are expert -1 in the dispatch, which leaves them out)."""
+        if not self.expert_parallel:
+            return self.experts(x, routing)
         local = routing.experts - self.first_expert
         held = (local >= 0) & (local < self.num_held)
-        return Routing(torch.where(held, local, -1), routing.weights)
+        return dispatch_experts(x, Routing(torch.where(held, local, -1), routing.weights), self.num_held,
+                                self.experts.run_expert)

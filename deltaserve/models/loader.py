@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..distributed import Shard, split_dim
+from ..distributed import shard as cut  # `shard` names the rank's Shard here
 from ..errors import CheckpointError, ConfigError
 from ..layers.quantized import (W4A16_MXFP4, W8A16_MXFP8, MXExperts, MXLinear, get_scheme, quantization_config_of,
                                 quantize_model, quantized_tensors, stored_schemes, swap_in)
@@ -185,13 +186,10 @@ def _read(handle, name: str, tgts: list[Target], shard: Shard) -> torch.Tensor:
 
 
 def _cut(value: torch.Tensor, dim: int | None, shard: Shard, name: str) -> torch.Tensor:
-    if dim is None or shard.size == 1:
-        return value
-    if value.shape[dim] % shard.size:
+    if dim is not None and value.shape[dim] % shard.size:
         raise CheckpointError(f"tensor {name!r} {list(value.shape)}: dimension {dim} does not divide by "
                               f"tensor_parallel_size = {shard.size}")
-    k = value.shape[dim] // shard.size
-    return value.narrow(dim, shard.rank * k, k)
+    return cut(value, dim, shard.rank, shard.size)
 
 
 def _swap_stored_mx(model: CausalLM, config: ModelConfig, shapes: dict, schemes: dict) -> None:

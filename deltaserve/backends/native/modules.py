@@ -140,10 +140,9 @@ class NativeExperts(Experts):
                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
         """The routed experts' output; with `shared` (`NativeMLP.shared_packs`) plus that MLP's, computed in the
         same kernel pass and added as `MoE` adds them."""
-        if x.dtype != torch.bfloat16 or bool((routing.experts < 0).any()):  # expert -1: another rank's (torch's)
+        if x.dtype != torch.bfloat16:
             if shared is not None:
-                raise ValueError("NativeExperts: a shared MLP runs in the expert pass only on bf16 rows of this "
-                                 "rank's experts")
+                raise ValueError("NativeExperts: a shared MLP runs in the expert pass only on bf16 rows")
             return super().forward(x, routing)
         return moe_bf16(x.contiguous(), routing.experts, routing.weights, self.w1, self.w3, self.w2,
                         packed=self.column_packs(), situ=situ_params(self.config), shared=shared)
