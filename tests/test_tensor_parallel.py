@@ -17,9 +17,13 @@ import torch
 
 from deltaserve import LLM
 from deltaserve.cli import main
+from deltaserve.default_model import default_model_path
 from deltaserve.distributed import Shard
+from deltaserve.engine.config import EngineArgs
 from deltaserve.engine.core import EngineBrokenError
+from deltaserve.errors import ConfigError
 from deltaserve.models.loader import load_model
+from deltaserve.tools.corpus import VALIDATION_PATH
 from block_utils import count_programs
 from engine_utils import assert_pools_free, greedy, make_llm, pool_bytes, random_prompts
 from parallel_utils import LAYOUTS, sharded_logits
@@ -89,6 +93,51 @@ def test_engine_over_ranks_gives_one_process_tokens(make_checkpoint, preset, par
     assert got_tokens == want_tokens
     for got, want in zip(got_logprobs[0], want_logprobs[0]):
         assert abs(got[0] - want[0]) < 1e-4 and [t for t, _ in got[1]] == [t for t, _ in want[1]]
+
+
+def _speculation_scenario(path, speculative_config=None, **parallel):
+    """Greedy tokens of windows of Python source (the trained model's drafts are then both kept and rejected), two of
+    them sharing a prefix (prefix hits), with n = 2 (a fork) and a small token budget (chunked prefill, verify steps
+    cut short); and the speculative decoding counters (drafts made, kept, kept per position)."""
+    with make_llm(path, max_num_seqs=4, max_num_batched_tokens=24, kv_cache_memory="64MiB",
+                  speculative_config=speculative_config, **parallel) as llm:
+        ids = llm.tokenizer.encode(VALIDATION_PATH.read_text()[:40_000])
+        prompts = [ids[i:i + n] for i, n in ((0, 40), (3000, 90), (7000, 70), (7000, 100), (9000, 20))]
+        params = [greedy(24) for _ in prompts]
+        params[1] = greedy(24, n=2)
+        runs = [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]
+        engine = llm.engine
+        assert engine.prefix.num_hit_tokens > 0
+        assert_pools_free(engine)
+        stats = engine.core.spec_stats
+        counts = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, list(stats.accepted_per_pos))
+    return [[c.token_ids for c in o.outputs] for run in runs for o in run], counts
+
+
+@pytest.mark.parametrize("method, parallel", [("suffix", dict(tensor_parallel_size=2)),
+                                              ("mtp", dict(tensor_parallel_size=2)),
+                                              ("mtp", dict(tensor_parallel_size=2, enable_expert_parallel=True))],
+                         ids=["suffix-tp2", "mtp-tp2", "mtp-tp2-ep"])
+def test_speculative_decoding_over_ranks(method, parallel):
+    """The default model over 2 ranks with suffix drafts (rank 0 alone drafts; the verify steps' rows and KDA
+    snapshots run on every rank) and MTP drafts (every run of the MTP layer, catch-up and chained, runs on every
+    rank's shard of it): the greedy tokens of one process without drafts, and the drafts one process makes and keeps
+    with them, some kept and some rejected."""
+    path = default_model_path()
+    config = {"method": method, "num_speculative_tokens": 3}
+    key = ("speculation", method)
+    if key not in _ONE_PROCESS:
+        _ONE_PROCESS[key] = (_speculation_scenario(path)[0], _speculation_scenario(path, config)[1])
+    want_tokens, want_counts = _ONE_PROCESS[key]
+    tokens, counts = _speculation_scenario(path, config, **parallel)
+    assert tokens == want_tokens
+    assert counts == want_counts and 0 < counts[2] < counts[1], (counts, want_counts)
+
+
+def test_dspark_drafting_over_ranks_is_refused_naming_why():
+    with pytest.raises(ConfigError, match="'dspark' does not run with tensor_parallel_size > 1"):
+        EngineArgs(tensor_parallel_size=2, speculative_config={"method": "dspark", "model": "drafter",
+                                                                 "num_speculative_tokens": 3})
 
 
 @pytest.mark.slow

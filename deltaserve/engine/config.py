@@ -148,8 +148,9 @@ class EngineArgs:
         if self.nnodes > 1 and self.master_port is None:
             raise ConfigError("nnodes > 1 needs master_port (the port node 0 listens on; or MASTER_PORT)")
         if self.tensor_parallel_size > 1:
-            if self.speculative is not None:
-                raise ConfigError("speculative decoding does not run with tensor_parallel_size > 1 yet")
+            if self.speculative is not None and self.speculative.method == "dspark":
+                raise ConfigError("speculative_config method 'dspark' does not run with tensor_parallel_size > 1: "
+                                  "the drafter is not sharded (suffix and mtp drafting do)")
         FaultInjector.parse(self.fault_injection)  # a malformed spec fails here, not in the engine process
 
     def latent_cache_8bit(self) -> torch.dtype | None:

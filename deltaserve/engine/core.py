@@ -33,7 +33,7 @@ from .config import EngineArgs, resolve_dtype
 from .faults import FaultInjector, InjectedFault, RequestFailure, RequestFault, describe
 from .grammar import Grammars
 from .heap import keep_freed_memory
-from .pools import build_pools, pool_bytes, size_pools
+from .pools import build_pools, drafter_cache_layers, pool_bytes, size_pools
 from .request import Request, RequestStatus
 from .runner import ForwardOutput, ModelRunner
 from .sampler import SampleOutput, Sampler, SamplingState, TokenLogprobs
@@ -101,7 +101,7 @@ class EngineCore:
         self.spec = spec = args.speculative
         k = spec.num_speculative_tokens if spec is not None else 0
         self.drafter = _drafter(spec, self.model, model_path, DTYPES[self.dtype.name])
-        drafter_layers = _drafter_layers(config, spec, self.drafter)
+        drafter_layers = drafter_cache_layers(config, spec, self.drafter)
         sizes = size_pools(config, args, DTYPES[self.dtype.name], drafter_layers, shard)
         self.pages, self.states, self.checkpoints, self.drafts = build_pools(config, args, DTYPES[self.dtype.name],
                                                                              sizes, drafter_layers, shard)
@@ -116,7 +116,9 @@ class EngineCore:
                                    str(model_path.resolve())) if self.checkpoints is not None else None)
         cache = PagedCache(self.pages, self.states, self.checkpoints, self.drafts)
         self.proposer = (build_proposer(spec, self.model, cache, self.backend, self.drafter, config.num_layers,
-                                        self.sampler.default_generator()) if spec is not None else None)
+                                        self.sampler.default_generator(),
+                                        self.workers.send_draft if self.workers is not None else None)
+                         if spec is not None else None)
         if self.proposer is not None:
             log.info("speculative decoding: %s, up to %d drafts a step", spec.method, k)
         self.scheduler = Scheduler(self.pages, self.states, min(args.max_num_seqs, self.states.num_slots),
@@ -582,7 +584,7 @@ class EngineCore:
         args, config = self.args, self.config
         latent, keys = args.latent_cache_8bit(), args.index_cache_8bit() if config.has_dsa else None
         page_bytes = (PagePool.bytes_per_token(config, DTYPES[self.dtype.name], latent, keys,
-                                               _drafter_layers(config, self.spec, self.drafter)) * args.block_size)
+                                               drafter_cache_layers(config, self.spec, self.drafter)) * args.block_size)
         return EngineSummary(
             model_path=str(self.model_path), family=config.family,
             architecture=config.architectures[0] if config.architectures else "", layers=layer_mix(config),
@@ -637,11 +639,3 @@ def _drafter(spec, model, model_path: Path, dtype: torch.dtype):
                           f"(num_nextn_predict_layers is {model.config.num_nextn_predict_layers})")
     return load_drafter(spec.model, model.config, dtype) if spec is not None and spec.method == "dspark" else None
 
-
-def _drafter_layers(config, spec, drafter=None) -> tuple[int, ...]:
-    """Latent-cache layers a drafter adds to the page pool, numbered from the target's num_layers: the first MTP
-    layer's, or one per DSpark drafter layer."""
-    if spec is None or spec.method == "suffix":
-        return ()
-    count = 1 if spec.method == "mtp" else drafter.config.num_hidden_layers
-    return tuple(range(config.num_layers, config.num_layers + count))

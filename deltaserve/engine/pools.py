@@ -74,3 +74,12 @@ def build_pools(config, args: EngineArgs, dtype: torch.dtype, sizes: PoolSizes, 
     return (PagePool(config, sizes.num_blocks, args.block_size, dtype, latent_8bit=latent_8bit, keys_8bit=keys_8bit,
                      drafter_layers=drafter_layers), StateSlots(config, sizes.num_slots, shard=shard), checkpoints,
             drafts)
+
+
+def drafter_cache_layers(config, spec, drafter=None) -> tuple[int, ...]:
+    """Latent-cache layers a drafter adds to the page pool, numbered from the target's num_layers: the first MTP
+    layer's, or one per layer of the DSpark `drafter`."""
+    if spec is None or spec.method == "suffix":
+        return ()
+    count = 1 if spec.method == "mtp" else drafter.config.num_hidden_layers
+    return tuple(range(config.num_layers, config.num_layers + count))

@@ -18,7 +18,7 @@ import torch
 
 from ..cache.paged_cache import PagedCache
 from ..backends import Backend
-from ..layers.batch import DraftSlot, StepBatch
+from ..layers.batch import StepBatch, StepLayout
 from ..models.base import CausalLM
 from ..ops.qli import StepIndexMeta, build_index_meta
 from .faults import FaultInjector, RequestFault
@@ -49,22 +49,6 @@ class ForwardOutput(NamedTuple):
     num_rows: list[int] = []
     hidden: torch.Tensor | None = None  # [N, d] every row's pre-norm final state, when the runner keeps them
     sample_rows: list[int] = []  # the row of `hidden` each row of `logits` was computed from
-
-
-class StepLayout(NamedTuple):
-    """One forward step in integers: the rows' tokens and positions, per sequence its first row (`query_start`,
-    B + 1), cached tokens, state slot, page table and KDA snapshots (as `StepBatch.kda_snapshots`), the rows whose
-    logits are sampled, and each prompt scoring's (first row, row count)."""
-
-    ids: list[int]
-    positions: list[int]
-    query_start: list[int]
-    context_lens: list[int]
-    slots: list[int]
-    tables: list[list[int]]
-    snapshots: list[list[tuple[int, "int | DraftSlot"]]]
-    sample_rows: list[int]
-    score_rows: list[tuple[int, int]]
 
 
 class ModelRunner:

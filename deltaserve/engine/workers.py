@@ -5,7 +5,9 @@ Rank 0 alone schedules. Before each forward it broadcasts one `StepLayout` (engi
 a fixed header, then the body the header sizes; never pickle — together with the journal of its pools' data
 changes since the last step (slots zeroed or copied, pages copied: cache/state_slots.py), which each worker replays
 in order before running the same step; every collective inside the forward (the layers' all-reduces, the logits'
-gather) then pairs up rank by rank. A header of kind STOP ends the workers.
+gather) then pairs up rank by rank. With MTP drafting (spec_decode/mtp.py) rank 0 also sends each run of the MTP
+layer the same way, as a header of kind DRAFT, the layout of the layer's rows, and the target states they read (one
+float tensor), so that every rank runs that layer's shard too. A header of kind STOP ends the workers.
 
 Failure: a step's collective that does not complete within `distributed_timeout` seconds raises on every rank still
 there; rank 0 then fails its requests and the engine stops (EngineCore); a worker whose peer is gone exits. Start-up
@@ -31,22 +33,23 @@ from ..cache.paged_cache import PagedCache
 from ..cache.state_slots import COPY, COPY_BLOCK, ZERO
 from ..distributed import CommClock, Shard
 from ..errors import ConfigError
-from ..layers.batch import DraftSlot
+from ..layers.batch import DraftSlot, StepLayout
 from ..models.loader import DTYPES, load_config, load_model
+from ..spec_decode import MTPProposer
 from .config import EngineArgs, resolve_dtype
-from .pools import PoolSizes, build_pools, pool_bytes
-from .runner import ModelRunner, StepLayout
+from .pools import PoolSizes, build_pools, drafter_cache_layers, pool_bytes
+from .runner import ModelRunner
 from .summary import weight_bytes
 
 log = logging.getLogger(__name__)
 
-STEP, STOP = 1, 0
+STEP, STOP, DRAFT = 1, 0, 2
 HEADER = 8  # kind, rows, sequences, table entries, snapshots, sample rows, scorings, journal entries
 STARTUP_TIMEOUT_S = 600  # loading a large checkpoint's shard takes minutes
 JOURNAL_WIDTH = 5  # the longest journal entry, COPY's; shorter ones are padded with -1
 
 
-def encode(layout: StepLayout, journal: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(layout: StepLayout, journal: list[tuple[int, ...]], kind: int = STEP) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's header and body."""
     snaps = [(i, off, int(isinstance(t, DraftSlot)), t.slot if isinstance(t, DraftSlot) else t)
              for i, seq in enumerate(layout.snapshots) for off, t in seq]
@@ -54,7 +57,7 @@ def encode(layout: StepLayout, journal: list[tuple[int, ...]]) -> tuple[torch.Te
             *(len(t) for t in layout.tables), *(b for t in layout.tables for b in t), *(v for s in snaps for v in s),
             *layout.sample_rows, *(v for r in layout.score_rows for v in r),
             *(v for entry in journal for v in (*entry, *[-1] * (JOURNAL_WIDTH - len(entry))))]
-    header = [STEP, len(layout.ids), len(layout.slots), sum(map(len, layout.tables)), len(snaps),
+    header = [kind, len(layout.ids), len(layout.slots), sum(map(len, layout.tables)), len(snaps),
               len(layout.sample_rows), len(layout.score_rows), len(journal)]
     return torch.tensor(header, dtype=torch.int64), torch.tensor(body, dtype=torch.int64)
 
@@ -140,6 +143,16 @@ class Workers:
         dist.broadcast(body, src=0, group=self.group)
         self.clock.add(started)
 
+    def send_draft(self, layout: StepLayout, hidden: torch.Tensor) -> None:
+        """A run of the MTP layer: its rows' layout and the target states [rows, d] they read."""
+        header, body = encode(layout, self.journal, DRAFT)
+        self.journal.clear()
+        started = time.perf_counter()
+        dist.broadcast(header, src=0, group=self.group)
+        dist.broadcast(body, src=0, group=self.group)
+        dist.broadcast(hidden.float().contiguous(), src=0, group=self.group)
+        self.clock.add(started)
+
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.processes)
 
@@ -197,12 +210,15 @@ def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None
         model = load_model(model_path, dtype=dtype, quantization=args.quantization, shard=shard)
         sizes = torch.empty(len(PoolSizes._fields), dtype=torch.int64)
         dist.broadcast(sizes, src=0)
-        pools = build_pools(model.config, args, DTYPES[dtype], PoolSizes(*sizes.tolist()), (), shard)
+        spec = args.speculative
+        pools = build_pools(model.config, args, DTYPES[dtype], PoolSizes(*sizes.tolist()),
+                            drafter_cache_layers(model.config, spec), shard)
         _gather_bytes(weight_bytes(model), pool_bytes(*pools), args.tensor_parallel_size)
         cache = PagedCache(*pools)
         backend = select_backend(args.backend, args.ops)
         backend.prepare(model)
         runner = ModelRunner(model, cache, backend)
+        mtp = MTPProposer(model, cache, backend) if spec is not None and spec.method == "mtp" else None
         header = torch.empty(HEADER, dtype=torch.int64)
         while True:
             dist.broadcast(header, src=0, group=group)
@@ -212,7 +228,12 @@ def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None
             dist.broadcast(body, src=0, group=group)
             layout, journal = decode(header, body)
             replay(journal, cache)
-            runner.run_layout(layout)
+            if int(header[0]) == DRAFT:
+                hidden = torch.empty(len(layout.ids), model.config.hidden_size)
+                dist.broadcast(hidden, src=0, group=group)
+                mtp.run_layout(layout, hidden)
+            else:
+                runner.run_layout(layout)
     except RuntimeError as exc:  # rank 0 or a peer is gone (a collective failed or timed out)
         log.error("tensor-parallel rank %d stops: %s", rank, exc)
     finally:

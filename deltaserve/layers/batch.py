@@ -31,6 +31,22 @@ class DraftSlot(NamedTuple):
         return cls(working_slot * per_slot + index)
 
 
+class StepLayout(NamedTuple):
+    """One forward step in integers: the rows' tokens and positions, per sequence its first row (`query_start`,
+    B + 1), cached tokens, state slot, page table and KDA snapshots (as `StepBatch.kda_snapshots`), the rows whose
+    logits are sampled, and each prompt scoring's (first row, row count)."""
+
+    ids: list[int]
+    positions: list[int]
+    query_start: list[int]
+    context_lens: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+    snapshots: list[list[tuple[int, "int | DraftSlot"]]]
+    sample_rows: list[int]
+    score_rows: list[tuple[int, int]]
+
+
 class ModelCache(ABC):
     """Per-layer storage of the cross-token state of a hybrid model, addressed by an opaque per-sequence handle.
 

@@ -15,12 +15,13 @@ from .suffix import SuffixProposer
 
 
 def build_proposer(config: SpeculativeConfig, model=None, cache=None, backend=None, drafter=None,
-                   drafter_layer: int = 0, default_generator=None) -> Proposer:
+                   drafter_layer: int = 0, default_generator=None, send_draft=None) -> Proposer:
     """The proposer of `config`: MTP drafts with `model`'s MTP layer over `cache` (the engine's PagedCache), run by
-    the engine's `backend`; DSpark with `drafter` (models/dspark.py), its latent rows in layers `drafter_layer ...`
-    of the page pool, unseeded requests drawing from `default_generator`."""
+    the engine's `backend`, each run first sent to the other tensor-parallel ranks by `send_draft` (when there are
+    any); DSpark with `drafter` (models/dspark.py), its latent rows in layers `drafter_layer ...` of the page pool,
+    unseeded requests drawing from `default_generator`."""
     if config.method == "mtp":
-        return MTPProposer(model, cache, backend)
+        return MTPProposer(model, cache, backend, send_draft)
     if config.method == "dspark":
         return DSparkProposer(model, drafter, cache, drafter_layer, default_generator)
     if config.method == "suffix":

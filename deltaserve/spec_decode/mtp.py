@@ -14,11 +14,11 @@ hit starts a request past position 0) reads zero there: a draft may then differ,
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..layers.batch import StepBatch
+from ..layers.batch import StepBatch, StepLayout
 from .proposer import DraftRequest, Proposal, Proposer, TargetStep
 
 
@@ -31,29 +31,34 @@ class _Rows(NamedTuple):
 
 class MTPProposer(Proposer):
     """Greedy MTP drafts over `cache` (the engine's PagedCache, whose page pool holds the MTP layer's latent), the
-    layer's block run by the engine's `backend` (on the native backend, a program like the stack's)."""
+    layer's block run by the engine's `backend` (on the native backend, a program like the stack's).
+
+    Every run of the layer is one `StepLayout` (the rows' tokens, positions and pages; `sample_rows`: each
+    sequence's last row, whose draft is taken) and the target states it reads, computed by `run_layout`. Over a
+    tensor-parallel group `send_draft` (engine/workers.py) first sends both to the other ranks, which run the same
+    `run_layout` on their shard of the layer and their pools: only rank 0 holds requests."""
 
     reads_hidden = True
 
-    def __init__(self, model, cache, backend):
+    def __init__(self, model, cache, backend, send_draft: Callable[[StepLayout, torch.Tensor], None] | None = None):
         self.model, self.cache, self.backend = model, cache, backend
-        self.layer = model.mtp[0]  # its latent cache is layer num_layers of the page pool (engine/core.py)
-        self._last: dict[int, tuple[torch.Tensor, int]] = {}  # id(seq) -> (output at its newest row, that position)
+        self.layer = model.mtp[0]  # its latent cache is layer num_layers of the page pool (engine/pools.py)
+        self.send_draft = send_draft
+        # id(seq) -> (output at its newest row, that position, the draft it gives)
+        self._last: dict[int, tuple[torch.Tensor, int, int]] = {}
 
     @torch.inference_mode()
     def catch_up(self, step: TargetStep) -> None:
-        """Compute every scheduled request's rows up to its newest token; keep each one's last output (what
-        `propose` drafts from)."""
+        """Compute every scheduled request's rows up to its newest token; keep each one's last output and the draft
+        it gives (what `propose` starts from)."""
         self._last = {}
         catch_up = [rows for rows in (self._rows(c, step) for c in step.chunks) if rows is not None]
         if not catch_up:
             return
-        out = self._run(catch_up)  # [total rows, d] pre-norm outputs
-        end = 0
-        for rows in catch_up:
-            end += len(rows.tokens)
+        last, tokens = self._run(catch_up)
+        for j, rows in enumerate(catch_up):
             rows.seq.num_drafter_tokens = rows.start + len(rows.tokens)
-            self._last[id(rows.seq)] = (out[end - 1], rows.start + len(rows.tokens) - 1)
+            self._last[id(rows.seq)] = (last[j], rows.start + len(rows.tokens) - 1, int(tokens[j]))
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
@@ -69,18 +74,18 @@ class MTPProposer(Proposer):
         previous draft and its own output one position later."""
         h = torch.stack([last[id(requests[i].seq)][0] for i in live])  # aligned with `live`
         positions = [last[id(requests[i].seq)][1] for i in live]
-        token = self.layer.logits(h).argmax(-1)
+        token = [last[id(requests[i].seq)][2] for i in live]
         for depth in range(1, max(requests[i].room for i in live) + 1):
             for j, i in enumerate(live):
-                drafts[i].append(int(token[j]))
+                drafts[i].append(token[j])
             keep = [j for j, i in enumerate(live) if requests[i].room > depth]
             if not keep:
                 break
             chained = [_Rows(requests[live[j]].seq, positions[j] + 1, [drafts[live[j]][-1]], h[j:j + 1])
                        for j in keep]
             live, positions = [live[j] for j in keep], [positions[j] + 1 for j in keep]
-            h = self._run(chained)
-            token = self.layer.logits(h).argmax(-1)
+            h, token = self._run(chained)
+            token = token.tolist()
 
     def finish(self, seq, output: list[int]) -> None:
         """Nothing is kept per request: its drafter rows live in its pages."""
@@ -104,21 +109,36 @@ class MTPProposer(Proposer):
         seq.drafter_hidden = None
         return _Rows(seq, lo, seq.token_slice(lo, hi + 1), hidden)
 
-    def _run(self, rows: list[_Rows]) -> torch.Tensor:
+    def _run(self, rows: list[_Rows]) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over each sequence's rows (positions start .. start + len - 1, after `start` cached ones),
-        writing their latent rows; returns the pre-norm outputs [total rows, d]."""
-        ids, positions, query_start, contexts, handles = [], [], [0], [], []
+        writing their latent rows; returns each sequence's last row's pre-norm output [len(rows), d] and draft."""
+        ids, positions, query_start, contexts = [], [], [0], []
         for r in rows:
             n = len(r.tokens)
             ids += r.tokens
             positions += range(r.start, r.start + n)
             query_start.append(query_start[-1] + n)
             contexts.append(r.start)
-            handles.append(self.cache.handle(r.seq.block_ids, r.seq.state_slot, r.start + n))
-        pos = torch.tensor(positions, dtype=torch.long)
+        layout = StepLayout(ids, positions, query_start, contexts, [r.seq.state_slot for r in rows],
+                            [r.seq.block_ids for r in rows], [[] for _ in rows], [q - 1 for q in query_start[1:]], [])
+        hidden = torch.cat([r.hidden for r in rows])
+        if self.send_draft is not None:
+            self.send_draft(layout, hidden)
+        return self.run_layout(layout, hidden)
+
+    @torch.inference_mode()
+    def run_layout(self, layout: StepLayout, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over `layout`'s rows, reading `hidden` [rows, d] (the target's states one position back): the
+        outputs of rows `layout.sample_rows` and their greedy drafts (the head's logits are gathered over ranks)."""
+        q, contexts = layout.query_start, layout.context_lens
+        handles = [self.cache.handle(table, slot, ctx + q[i + 1] - q[i])
+                   for i, (table, slot, ctx) in enumerate(zip(layout.tables, layout.slots, contexts))]
+        pos = torch.tensor(layout.positions, dtype=torch.long)
         write_rows = torch.cat([h.rows[c:] for h, c in zip(handles, contexts)])
-        batch = StepBatch(pos, query_start, contexts, self.cache, handles, [], self.backend.ops, None, write_rows,
+        batch = StepBatch(pos, q, contexts, self.cache, handles, [], self.backend.ops, None, write_rows,
                           decode_form=True)
-        embeds = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
-        hidden = torch.cat([r.hidden for r in rows]).to(embeds.dtype)
-        return self.backend.run_block(self.layer.block, self.layer.block_input(embeds, hidden, pos), batch)
+        embeds = self.model.embed_tokens(torch.tensor(layout.ids, dtype=torch.long))
+        out = self.backend.run_block(self.layer.block, self.layer.block_input(embeds, hidden.to(embeds.dtype), pos),
+                                     batch)
+        last = out[layout.sample_rows]
+        return last, self.layer.logits(last).argmax(-1)
