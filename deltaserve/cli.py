@@ -77,6 +77,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker_node(args: argparse.Namespace) -> int:
+    """`serve`, `generate` or `bench` with --node-rank k > 0: this node's ranks of the engine node 0 runs, no API
+    and no requests of its own; until node 0 stops them."""
+    from .default_model import default_model_path
+    from .engine.config import EngineArgs
+    from .engine.workers import run_worker_node
+
+    path = Path(args.model) if args.model else default_model_path()
+    return run_worker_node(EngineArgs.from_cli(args, str(path)), path)
+
+
 def _quantize(args: argparse.Namespace) -> int:
     from .tools.quantize import quantize_checkpoint
 
@@ -151,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format=LOG_FORMAT)
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "node_rank", 0) > 0:  # a further machine of a tensor-parallel group, whatever the command
+            return _worker_node(args)
         return args.func(args)
     except (ConfigError, CheckpointError) as exc:
         print(f"deltaserve {args.command}: error: {exc}", file=sys.stderr)

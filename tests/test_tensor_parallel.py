@@ -208,16 +208,19 @@ def test_a_rank_that_hangs_fails_the_requests_within_the_timeout(make_checkpoint
     assert rank1.poll() is not None
 
 
-def test_two_nodes_over_loopback(make_checkpoint):
-    """Two launches on one machine: `serve --nnodes 2 --node-rank 1` (rank 1, no API) and an engine with
-    --node-rank 0 (rank 0), meeting at --master-addr/--master-port: one process's tokens; when node 0 closes, node
-    1's launch ends with status 0."""
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_two_nodes_over_loopback(make_checkpoint, command):
+    """Two launches on one machine: `serve` or `generate` with `--nnodes 2 --node-rank 1` (rank 1, no API, no
+    request of its own) and an engine with --node-rank 0 (rank 0), meeting at --master-addr/--master-port: one
+    process's tokens; when node 0 closes, node 1's launch ends with status 0. An engine itself refuses node rank 1."""
     path = make_checkpoint("k31-tiny")
     prompts = random_prompts([7, 30], seed=9, high=1000)
     with LLM(str(path), dtype="float32", kv_cache_memory="16MiB") as one:
         want = [o.outputs[0].token_ids for o in one.generate(prompts, greedy(10), use_tqdm=False)]
     port = free_port()
-    node1 = subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "serve", str(path), "--dtype", "float32",
+    with pytest.raises(ConfigError, match="an engine runs on node 0"):
+        LLM(str(path), tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=port)
+    node1 = subprocess.Popen([sys.executable, "-m", "deltaserve.cli", command, str(path), "--dtype", "float32",
                               "--kv-cache-memory", "16MiB", "--tensor-parallel-size", "2", "--nnodes", "2",
                               "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)])
     try:

@@ -77,6 +77,9 @@ class SampledRows(NamedTuple):
 class EngineCore:
     def __init__(self, args: EngineArgs, model_path: Path):
         self.args, self.model_path = args, model_path
+        if args.node_rank > 0:
+            raise ConfigError(f"node_rank {args.node_rank}: an engine runs on node 0; a further node runs only its "
+                              f"ranks (`deltaserve serve|generate|bench ... --node-rank {args.node_rank}`)")
         keep_freed_memory()  # activations stop being faulted in afresh every step (engine/heap.py)
         self.dtype = resolve_dtype(args.dtype, load_config(model_path).torch_dtype)
         self.workers = Workers(args, model_path) if args.tensor_parallel_size > 1 else None

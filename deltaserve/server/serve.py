@@ -121,18 +121,12 @@ def run_server(args: argparse.Namespace) -> int:
     fails (uvicorn's STARTUP_FAILURE). Logs the start-up banner once the engine is ready and the socket listens."""
     import uvicorn
 
-    from ..default_model import default_model_path
-    from ..engine.workers import run_worker_node
     from ..version import __version__
     from .access_log import AccessLog
     from .api_server import build_app
     from .banner import format_banner
     from .lifecycle import DeltaserveServer
 
-    path = Path(args.model) if args.model else default_model_path()
-    engine_args = EngineArgs.from_cli(args, str(path))
-    if engine_args.node_rank > 0:  # a further machine of a tensor-parallel group: its ranks only, no API
-        return run_worker_node(engine_args, path)
     log.info("deltaserve %s starting: model %s, the engine core loads it in its own process", __version__,
              args.model or "deltaserve-default (embedded)")
     state = build_state(args)
