@@ -20,3 +20,8 @@ class RequestFailedError(DeltaserveError, RuntimeError):
     def __init__(self, message: str, outputs: list | None = None):
         super().__init__(message)
         self.outputs = outputs or []
+
+
+class KVTransferError(DeltaserveError, RuntimeError):
+    """A prefill/decode transfer of a request's cache could not be done: the peers disagree on the model or the cache
+    format, a message is malformed, or a stage timed out (docs/disaggregation.md)."""

@@ -38,23 +38,24 @@ class PagePool:
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
         self.latent_8bit, self.keys_8bit = latent_8bit, keys_8bit
         r, rho = config.kv_lora_rank, config.qk_rope_head_dim
-        self._storage: list[torch.Tensor] = []  # every page tensor, for copy_block
+        self._storage: dict[str, torch.Tensor] = {}  # every page tensor by name (`named_storage`)
         self.journal: list[tuple[int, ...]] | None = None  # copies to replay on other ranks (cache/state_slots.py)
         self.latent: dict[int, torch.Tensor | C8Latent] = {}
         for l in mla_cache_layers(config, drafter_layers):
             if latent_8bit is None:
                 self.latent[l] = torch.zeros(num_blocks, block_size, r + rho, dtype=dtype, device=device)
-                self._storage.append(self.latent[l])
+                self._storage[f"latent.{l}"] = self.latent[l]
             else:
                 page = torch.zeros(num_blocks, block_size, c8_row_bytes(config, dtype), dtype=torch.uint8,
                                    device=device)
                 self.latent[l] = _c8_views(page, r, rho, latent_8bit, dtype)
-                self._storage.append(page)
+                self._storage[f"latent.{l}"] = page
         self.index_keys = {l: torch.zeros(num_blocks, block_size, config.index_head_dim, dtype=keys_8bit or dtype,
                                           device=device) for l in config.dsa_layers}
         self.index_scales = ({l: torch.zeros(num_blocks, block_size, dtype=torch.float32, device=device)
                               for l in config.dsa_layers} if keys_8bit is not None else {})
-        self._storage += [*self.index_keys.values(), *self.index_scales.values()]
+        self._storage.update({f"index_keys.{l}": t for l, t in self.index_keys.items()})
+        self._storage.update({f"index_scales.{l}": t for l, t in self.index_scales.items()})
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
@@ -152,10 +153,15 @@ class PagePool:
 
     def storage(self) -> list[torch.Tensor]:
         """Every page tensor (latent pages, indexer keys and their scales)."""
-        return list(self._storage)
+        return list(self._storage.values())
+
+    def named_storage(self) -> dict[str, torch.Tensor]:
+        """Every page tensor [num_blocks, B, ...] as stored (a C8 latent as its byte page), by name: `latent.L`,
+        `index_keys.L`, `index_scales.L` (8-bit keys only) for layer L."""
+        return dict(self._storage)
 
     def copy_block(self, src: int, dst: int) -> None:
-        for t in self._storage:
+        for t in self._storage.values():
             t[dst].copy_(t[src])
         if self.journal is not None:
             self.journal.append((COPY_BLOCK, src, dst))
