@@ -24,4 +24,9 @@ class RequestFailedError(DeltaserveError, RuntimeError):
 
 class KVTransferError(DeltaserveError, RuntimeError):
     """A prefill/decode transfer of a request's cache could not be done: the peers disagree on the model or the cache
-    format, a message is malformed, or a stage timed out (docs/disaggregation.md)."""
+    format, a message is malformed, or a stage timed out (docs/disaggregation.md). `stage`: "handshake",
+    "transfer" or "load", for the failure counters."""
+
+    def __init__(self, message: str, stage: str = "transfer"):
+        super().__init__(message)
+        self.stage = stage

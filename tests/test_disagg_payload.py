@@ -31,7 +31,7 @@ def test_a_request_moves_bit_for_bit_and_as_accounted(make_checkpoint, preset, k
     src, dst = (make_llm(path, kv_cache_dtype=kv_cache_dtype) for _ in range(2))
     req = _running_request(src, prompt)
     a, b = src.engine.core, dst.engine.core
-    payload = export_kv(a.pages, a.states, req.block_ids, req.state_slot, req.num_computed_tokens)
+    payload = export_kv(a.pages, a.states, req.block_ids, req.state_slot, prompt)
     assert payload.nbytes == transfer_bytes(a.config, a.pages, len(prompt))
     assert any(t.abs().sum() > 0 for t in (payload.tensors[STATE_RECURRENT], payload.tensors[STATE_CONV])) \
         or not a.config.kda_layers
@@ -39,9 +39,11 @@ def test_a_request_moves_bit_for_bit_and_as_accounted(make_checkpoint, preset, k
     frames = encode_message({"kind": "payload", "num_tokens": payload.num_tokens}, payload.tensors)
     header, tensors = decode_message([bytes(f) for f in frames], max_bytes=payload.nbytes)
     assert header == {"kind": "payload", "num_tokens": len(prompt)}
+    with pytest.raises(KVTransferError, match="other tokens than this prompt's first 37"):
+        import_kv(payload, b.pages, b.states, [0, 1, 2], 0, prompt[:-1] + [prompt[-1] + 1])
     blocks = b.pages.allocate(b.pages.blocks_needed(len(prompt)))
     slot = b.states.allocate()
-    import_kv(type(payload)(header["num_tokens"], tensors), b.pages, b.states, blocks, slot)
+    import_kv(type(payload)(header["num_tokens"], tensors, payload.tokens), b.pages, b.states, blocks, slot, prompt)
     for name, t in a.pages.named_storage().items():
         assert torch.equal(b.pages.named_storage()[name][blocks], t[req.block_ids[:len(blocks)]]), name
     assert torch.equal(b.states.conv[slot], a.states.conv[req.state_slot])
@@ -65,12 +67,13 @@ def test_the_handshake_names_what_differs(make_checkpoint):
 
 def test_a_payload_of_other_shapes_is_refused(make_checkpoint):
     core = make_llm(make_checkpoint("k31-tiny")).engine.core
-    payload = export_kv(core.pages, core.states, core.pages.allocate(2), core.states.allocate(), 20)
+    tokens = list(range(20))
+    payload = export_kv(core.pages, core.states, core.pages.allocate(2), core.states.allocate(), tokens)
     payload.tensors[STATE_CONV] = payload.tensors[STATE_CONV][..., :1].contiguous()
     with pytest.raises(KVTransferError, match="state.conv"):
-        import_kv(payload, core.pages, core.states, [0, 1], 0)
+        import_kv(payload, core.pages, core.states, [0, 1], 0, tokens)
     with pytest.raises(KVTransferError, match="need 2 pages"):
-        import_kv(payload, core.pages, core.states, [0], 0)
+        import_kv(payload, core.pages, core.states, [0], 0, tokens)
 
 
 def test_malformed_messages_are_refused():

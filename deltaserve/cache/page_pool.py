@@ -39,6 +39,7 @@ class PagePool:
         self.latent_8bit, self.keys_8bit = latent_8bit, keys_8bit
         r, rho = config.kv_lora_rank, config.qk_rope_head_dim
         self._storage: dict[str, torch.Tensor] = {}  # every page tensor by name (`named_storage`)
+        self._drafter_names = {f"latent.{l}" for l in drafter_layers}
         self.journal: list[tuple[int, ...]] | None = None  # copies to replay on other ranks (cache/state_slots.py)
         self.latent: dict[int, torch.Tensor | C8Latent] = {}
         for l in mla_cache_layers(config, drafter_layers):
@@ -155,10 +156,11 @@ class PagePool:
         """Every page tensor (latent pages, indexer keys and their scales)."""
         return list(self._storage.values())
 
-    def named_storage(self) -> dict[str, torch.Tensor]:
+    def named_storage(self, drafter: bool = True) -> dict[str, torch.Tensor]:
         """Every page tensor [num_blocks, B, ...] as stored (a C8 latent as its byte page), by name: `latent.L`,
-        `index_keys.L`, `index_scales.L` (8-bit keys only) for layer L."""
-        return dict(self._storage)
+        `index_keys.L`, `index_scales.L` (8-bit keys only) for layer L; without a drafter's layers unless
+        `drafter`."""
+        return {n: t for n, t in self._storage.items() if drafter or n not in self._drafter_names}
 
     def copy_block(self, src: int, dst: int) -> None:
         for t in self._storage.values():

@@ -4,8 +4,9 @@ For a prompt of L tokens P computes the first n = L - 1, and D takes them as a p
 last prompt token itself (which gives it the first logits and, for a drafter, the target's state there). So what
 travels is everything the model keeps for those n tokens:
   * every page tensor of the request's first ceil(n / B) pages, as stored: the MLA latent of each MLA/DSA layer (the
-    C8 cache's byte pages as they are), each DSA layer's indexer keys (and their per-token scales when 8-bit), and
-    the latent of a drafter layer when the pools have one;
+    C8 cache's byte pages as they are) and each DSA layer's indexer keys (and their per-token scales when 8-bit).
+    A drafter's layers (MTP, DSpark) do not travel: D's drafter catches its own rows up (spec_decode), so the two
+    sides may draft differently or not at all;
   * the KDA state after n tokens: every KDA layer's conv windows and recurrent state (one state slot).
 Rows of the last page past n are whatever P holds there; D overwrites them as it computes those positions.
 
@@ -15,6 +16,8 @@ reinterpreted."""
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -28,24 +31,50 @@ STATE_CONV, STATE_RECURRENT = "state.conv", "state.recurrent"
 
 class KVPayload(NamedTuple):
     """One request's cache for its first `num_tokens` tokens: page tensors by `PagePool.named_storage` name, each
-    [pages, B, ...], and the KDA state (STATE_CONV, STATE_RECURRENT: one slot's tensors)."""
+    [pages, B, ...], and the KDA state (STATE_CONV, STATE_RECURRENT: one slot's tensors); `tokens`: the
+    `token_digest` of those tokens, which the loading side checks against its own prompt."""
 
     num_tokens: int
     tensors: dict[str, torch.Tensor]
+    tokens: str
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def token_digest(ids: list[int]) -> str:
+    """A digest of token ids: what a cache was computed from."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]
+
+
 def _slot_tensors(states: StateSlots) -> dict[str, torch.Tensor]:
     return {STATE_CONV: states.conv, STATE_RECURRENT: states.recurrent}
+
+
+FINGERPRINT_SAMPLE = 1 << 16  # bytes read from each end of each weight file
+
+
+def model_fingerprint(path: Path) -> str:
+    """Which model a checkpoint folder holds, cheaply: a hash of its config.json and, per safetensors file, its name,
+    size, header (tensor names, shapes, dtypes, offsets) and the first and last 64 KiB of its data — two checkpoints
+    of one architecture with different weights differ there."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            header = f.read(int.from_bytes(f.read(8), "little"))
+            head = f.read(FINGERPRINT_SAMPLE)
+            f.seek(max(size - FINGERPRINT_SAMPLE, 0))
+            tail = f.read()
+        digest.update(f"{file.name}|{size}|".encode() + header + head + tail)
+    return digest.hexdigest()[:32]
 
 
 def cache_format(model: str, pages: PagePool, states: StateSlots) -> dict:
     """The handshake's description of a side's cache (msgpack-able): the model fingerprint, the block size, and per
     tensor of a payload its dtype and per-page (per-slot) shape."""
-    every = {**pages.named_storage(), **_slot_tensors(states)}
+    every = {**pages.named_storage(drafter=False), **_slot_tensors(states)}
     return {"model": model, "block_size": pages.block_size,
             "tensors": {name: [str(t.dtype).removeprefix("torch."), list(t.shape[1:])]
                         for name, t in sorted(every.items())}}
@@ -63,25 +92,31 @@ def check_format(mine: dict, theirs: dict) -> None:
                                   f"{a.get(name)!r} (cache dtype, layers, drafter or tensor-parallel layout differ)")
 
 
-def export_kv(pages: PagePool, states: StateSlots, block_ids: list[int], slot: int, num_tokens: int) -> KVPayload:
-    """Copy out the first `num_tokens` tokens' pages of a request holding `block_ids` and its KDA state `slot`
+def export_kv(pages: PagePool, states: StateSlots, block_ids: list[int], slot: int, tokens: list[int]) -> KVPayload:
+    """Copy out the pages of a request's first len(`tokens`) tokens (it holds `block_ids`) and its KDA state `slot`
     (which must be the state after exactly those tokens)."""
+    num_tokens = len(tokens)
     count = pages.blocks_needed(num_tokens)
     if count > len(block_ids):
         raise KVTransferError(f"{num_tokens} tokens need {count} pages; the request holds {len(block_ids)}")
     index = torch.tensor(block_ids[:count], dtype=torch.long)
-    tensors = {name: t.index_select(0, index) for name, t in pages.named_storage().items()}
+    tensors = {name: t.index_select(0, index) for name, t in pages.named_storage(drafter=False).items()}
     tensors.update({name: t[slot].clone() for name, t in _slot_tensors(states).items()})
-    return KVPayload(num_tokens, tensors)
+    return KVPayload(num_tokens, tensors, token_digest(tokens))
 
 
-def import_kv(payload: KVPayload, pages: PagePool, states: StateSlots, block_ids: list[int], slot: int) -> None:
+def import_kv(payload: KVPayload, pages: PagePool, states: StateSlots, block_ids: list[int], slot: int,
+              tokens: list[int]) -> None:
     """Write `payload` into pages `block_ids` (its first ceil(num_tokens / B)) and state `slot`, after checking that
-    it holds exactly this side's tensors in this side's shapes and dtypes."""
+    it was computed from `tokens` (this side's first num_tokens) and holds exactly this side's tensors in this side's
+    shapes and dtypes."""
+    if len(tokens) != payload.num_tokens or token_digest(tokens) != payload.tokens:
+        raise KVTransferError(f"the transferred cache was computed from other tokens than this prompt's first "
+                              f"{payload.num_tokens}", "load")
     count = pages.blocks_needed(payload.num_tokens)
     if count > len(block_ids):
         raise KVTransferError(f"{payload.num_tokens} tokens need {count} pages; {len(block_ids)} were allocated")
-    page_tensors, slot_tensors = pages.named_storage(), _slot_tensors(states)
+    page_tensors, slot_tensors = pages.named_storage(drafter=False), _slot_tensors(states)
     want = {**{n: (t.dtype, (count, *t.shape[1:])) for n, t in page_tensors.items()},
             **{n: (t.dtype, tuple(t.shape[1:])) for n, t in slot_tensors.items()}}
     got = {n: (t.dtype, tuple(t.shape)) for n, t in payload.tensors.items()}
@@ -96,10 +131,8 @@ def import_kv(payload: KVPayload, pages: PagePool, states: StateSlots, block_ids
         t[slot].copy_(payload.tensors[name])
 
 
-def transfer_bytes(config, pages: PagePool, num_tokens: int, drafter_layers: tuple[int, ...] = (),
-                   shard=None) -> int:
+def transfer_bytes(config, pages: PagePool, num_tokens: int) -> int:
     """The accounting of one request's payload from the model's shapes, as the pools are sized (not from the
     payload): its pages (latent, indexer keys and scales) and one KDA state slot."""
-    per_token = PagePool.bytes_per_token(config, pages.dtype, pages.latent_8bit, pages.keys_8bit, drafter_layers)
-    slot = StateSlots.bytes_per_slot(config) if shard is None else StateSlots.bytes_per_slot(config, shard)
-    return pages.blocks_needed(num_tokens) * pages.block_size * per_token + slot
+    per_token = PagePool.bytes_per_token(config, pages.dtype, pages.latent_8bit, pages.keys_8bit)
+    return pages.blocks_needed(num_tokens) * pages.block_size * per_token + StateSlots.bytes_per_slot(config)

@@ -10,6 +10,7 @@ import torch
 
 from .. import envs
 from ..errors import ConfigError
+from ..disagg.config import KVTransferConfig
 from ..spec_decode import SpeculativeConfig
 from .faults import FaultInjector
 
@@ -102,6 +103,9 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # Prefill/decode disaggregation: vLLM's JSON object (kv_role, kv_ip, kv_port, ...; disagg/config.py), as text or
+    # a dict; None = off. Parsed into `kv_transfer`.
+    kv_transfer_config: str | dict | None = None
     # Tests only: "PHASE:TOKEN_ID,..." raises inside that step phase for requests whose prompt holds the token
     # (engine/faults.py). None (the default) builds no injector and costs nothing.
     fault_injection: str | None = None
@@ -136,6 +140,7 @@ class EngineArgs:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_timeout <= 0:
@@ -148,6 +153,9 @@ class EngineArgs:
         if self.nnodes > 1 and self.master_port is None:
             raise ConfigError("nnodes > 1 needs master_port (the port node 0 listens on; or MASTER_PORT)")
         if self.tensor_parallel_size > 1:
+            if self.kv_transfer is not None:
+                raise ConfigError("kv_transfer_config does not run with tensor_parallel_size > 1: each rank's cache "
+                                  "would have to travel")
             if self.speculative is not None and self.speculative.method == "dspark":
                 raise ConfigError("speculative_config method 'dspark' does not run with tensor_parallel_size > 1: "
                                   "the drafter is not sharded (suffix and mtp drafting do)")
@@ -214,6 +222,10 @@ class EngineArgs:
         parser.add_argument("--speculative-config", default=None,
                             help='speculative decoding as a JSON object, vLLM\'s keys: e.g. \'{"method": "suffix", '
                                  '"num_speculative_tokens": 4}\' (default: off)')
+        parser.add_argument("--kv-transfer-config", default=None,
+                            help='prefill/decode disaggregation as a JSON object, vLLM\'s keys: e.g. \'{"kv_role": '
+                                 '"kv_producer", "kv_port": 14579}\' on a prefill instance, \'{"kv_role": '
+                                 '"kv_consumer"}\' on a decode instance (docs/disaggregation.md; default: off)')
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                             help="ranks that share every layer (heads, widths, vocabulary), started on this machine "
                                  "and joined over gloo (docs/parallel.md)")

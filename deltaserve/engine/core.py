@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,10 @@ from ..cache.paged_cache import PagedCache
 from ..cache.prefix_cache import PrefixCache
 from ..cache.state_slots import StateSlots
 from ..distributed import Shard
-from ..errors import ConfigError, DeltaserveError
+from ..disagg import KVPayload, cache_format, export_kv, import_kv
+from ..disagg.connector import KVConsumer, KVProducer
+from ..disagg.payload import model_fingerprint
+from ..errors import ConfigError, DeltaserveError, KVTransferError
 from ..layers.batch import DraftSlot
 from ..backends.select import select_backend
 from ..spec_decode import DraftRequest, SpecDecodeStats, TargetStep, build_proposer
@@ -45,6 +50,8 @@ from .summary import EngineSummary, layer_mix, quantization_text, weight_bytes, 
 
 log = logging.getLogger(__name__)
 
+TRANSFER_WAIT_S = 0.05  # how long an idle step waits for a transfer to end before returning
+
 
 class EngineBrokenError(DeltaserveError, RuntimeError):
     """The engine's cache pools no longer add up; it must be restarted."""
@@ -64,6 +71,8 @@ class CoreOutput:
     num_cached_tokens: int = 0
     # With the first token of a request that asked for prompt logprobs: one report per prompt token (None first).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With the last token of a prefill instance's request (do_remote_decode): how a decode instance pulls its cache.
+    kv_transfer_params: dict | None = None
 
 
 class SampledRows(NamedTuple):
@@ -141,6 +150,23 @@ class EngineCore:
         self._requests: dict[str, list[Request]] = {}
         self._n: dict[str, tuple[SamplingParams, int, str | None]] = {}  # params, max_tokens, grammar text
         self._failures: dict[str, RequestFailure] = {}
+        self._start_kv_transfer(args.kv_transfer, cache)
+
+    def _start_kv_transfer(self, config, cache: PagedCache) -> None:
+        """Prefill/decode disaggregation (docs/disaggregation.md): the producer and/or consumer half of the
+        connector, per kv_role; the requests waiting for their cache (`_pulling`), and those whose cache has
+        arrived and that wait for pages and a slot (`_loaded`)."""
+        self.engine_id = uuid.uuid4().hex[:16]
+        self.kv_producer = self.kv_consumer = None
+        self._pulling: dict[str, Request] = {}
+        self._loaded: deque[tuple[Request, KVPayload]] = deque()
+        if config is None:
+            return
+        fmt = cache_format(model_fingerprint(self.model_path), cache.pages, cache.states)
+        if config.is_producer:
+            self.kv_producer = KVProducer(config, fmt, self.engine_id)
+        if config.is_consumer:
+            self.kv_consumer = KVConsumer(config, fmt)
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -160,14 +186,48 @@ class EngineCore:
                                                 f"{self.max_model_len} (at least one token must be generated)")
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        kv = params.kv_transfer_params or {}
+        pull = self._check_kv_transfer(kv, params, prompt_ids)
+        remote_decode = len(prompt_ids) - 1 if kv.get("do_remote_decode") else None
+        if remote_decode is not None:  # all but the last prompt token, and a token nobody reads: the decode
+            prompt_ids, max_tokens = prompt_ids[:-1] or prompt_ids, 1  # instance computes the last one itself
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         first = self._new_request(request_id, list(prompt_ids), params, max_tokens, 0, grammar)
         first.cache_salt = cache_salt
         first.client = request_id if client is None else client
         first.siblings_pending = params.n - 1
+        first.remote_decode_tokens = remote_decode
         self._requests[request_id] = [first]
         self._n[request_id] = (params, max_tokens, grammar)
-        self.scheduler.add(first)
+        if pull:
+            self._pulling[request_id] = first
+            self.kv_consumer.pull(request_id, kv)
+        else:
+            self.scheduler.add(first)
+
+    def _check_kv_transfer(self, kv: dict, params: SamplingParams, prompt_ids: list[int]) -> bool:
+        """Whether this instance can take a request's kv_transfer_params (InvalidRequestError if not); True when its
+        cache is to be pulled from a prefill instance."""
+        if kv.get("do_remote_decode"):
+            if self.kv_producer is None:
+                raise InvalidRequestError("kv_transfer_params", "kv_transfer_params.do_remote_decode: this instance "
+                                                                "is not a kv_producer (--kv-transfer-config)")
+            if params.n != 1:
+                raise InvalidRequestError("n", "a prefill instance's request (do_remote_decode) takes n = 1; the "
+                                               "decode instance forks the n completions")
+            return False
+        if not kv.get("do_remote_prefill") or kv.get("num_tokens", 0) == 0:
+            return False
+        if self.kv_consumer is None:
+            raise InvalidRequestError("kv_transfer_params", "kv_transfer_params.do_remote_prefill: this instance is "
+                                                            "not a kv_consumer (--kv-transfer-config)")
+        if kv["num_tokens"] >= len(prompt_ids):
+            raise InvalidRequestError("kv_transfer_params", f"kv_transfer_params.num_tokens {kv['num_tokens']} must "
+                                                            f"be below the prompt's {len(prompt_ids)} tokens")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs", "prompt_logprobs: the prompt's cache comes from the prefill "
+                                                         "instance, so its tokens have no logits here")
+        return True
 
     def _new_request(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
                      index: int, grammar: str | None) -> Request:
@@ -182,6 +242,8 @@ class EngineCore:
 
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
         """Finish the request (or one completion of it) and free everything it holds. Unknown ids are ignored."""
+        self._pulling.pop(request_id, None)
+        self._loaded = deque((r, p) for r, p in self._loaded if r.request_id != request_id)
         for req in list(self._requests.get(request_id, [])):
             if index is not None and req.index != index:
                 continue
@@ -209,11 +271,14 @@ class EngineCore:
         only EngineBrokenError, when the pools no longer add up after failing everything."""
         try:
             with self.timer.phase("schedule"):
+                self._load_transferred()
                 plan = self._schedule()
         except Exception as exc:  # noqa: BLE001 — the scheduler's own state is suspect: fail what it holds
             self._fail_all("schedule", exc)
             return []
         if not plan.chunks:
+            if self._pulling or self._loaded:  # nothing to run until a transfer ends
+                self.kv_consumer.wait(TRANSFER_WAIT_S)
             return []
         self.timer.steps += 1
         try:
@@ -226,7 +291,10 @@ class EngineCore:
             return []
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do for one process)."""
+        """Stop the tensor-parallel workers and the transfer threads (nothing to do for one plain process)."""
+        for half in (self.kv_producer, self.kv_consumer):
+            if half is not None:
+                half.close()
         if self.workers is not None:
             report = self.parallel_report()
             log.info("tensor parallel: %d steps, %.3f s in collectives on rank 0 (%.2f ms a step)",
@@ -250,6 +318,39 @@ class EngineCore:
         failures = list(self._failures.values())
         self._failures.clear()
         return failures
+
+    def _load_transferred(self) -> None:
+        """Take the transfers that ended: a failed one fails its request; an arrived cache is loaded into pages and a
+        slot as soon as the scheduler has them (in arrival order), and its request runs on from there like a prefix
+        hit."""
+        if self.kv_consumer is None:
+            return
+        for request_id, result, _ in self.kv_consumer.take_done():
+            req = self._pulling.pop(request_id, None)
+            if req is None:
+                continue  # aborted meanwhile
+            if isinstance(result, KVTransferError):
+                self._fail(request_id, "kv_transfer", result)
+            else:
+                self._loaded.append((req, result))
+        while self._loaded:
+            req, payload = self._loaded[0]
+            if not self.scheduler.admit_loaded(req, payload.num_tokens):
+                if self.scheduler.running:
+                    return  # pages or a slot free up as they finish
+                self._loaded.popleft()
+                self._fail_load(req, KVTransferError("the page pool is too small for the transferred cache", "load"))
+                continue
+            self._loaded.popleft()
+            try:
+                import_kv(payload, self.pages, self.states, req.block_ids, req.state_slot,
+                          req.prompt_ids[:payload.num_tokens])
+            except KVTransferError as exc:
+                self._fail_load(req, exc)
+
+    def _fail_load(self, req: Request, exc: KVTransferError) -> None:
+        self.kv_consumer.failures["load"] += 1
+        self._fail(req.request_id, "kv_transfer", exc)
 
     def _schedule(self) -> StepPlan:
         plan = self.scheduler.schedule()
@@ -500,12 +601,24 @@ class EngineCore:
             status = RequestStatus.FINISHED_STOPPED
         elif len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
+        kv_params = None
         if status is not None:
+            if req.remote_decode_tokens is not None:
+                kv_params = self._stage_kv(req)
             self.scheduler.finish(req, status)
             req.finish_reason = status.value
         scored = req.prompt_logprobs if req.prompt_logprobs is not None and len(req.output_ids) == 1 else None
         return CoreOutput(req.request_id, req.index, token, logprob, req.finish_reason, stop_reason, req.prompt_len,
-                          req.num_cached_tokens, scored)
+                          req.num_cached_tokens, scored, kv_params)
+
+    def _stage_kv(self, req: Request) -> dict:
+        """A prefill instance's finished request: its cache copied out for the decode instance to pull (the pages
+        and slot are then freed with the request); the kv_transfer_params that pull takes."""
+        n = req.remote_decode_tokens
+        if n == 0:  # a one-token prompt: the decode instance computes it all
+            return {"do_remote_prefill": True, "num_tokens": 0}
+        payload = export_kv(self.pages, self.states, req.block_ids, req.state_slot, req.prompt_ids[:n])
+        return self.kv_producer.stage(uuid.uuid4().hex, payload)
 
     def _fork_siblings(self, fwd: ForwardOutput) -> list[SampledRows]:
         """The rows each request samples from, in logits order. n > 1: once a prompt is computed, the other n - 1
@@ -577,7 +690,20 @@ class EngineCore:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": self.prefix.num_queries if self.prefix else 0,
                 "prefix_cache_hits": self.prefix.num_hit_tokens if self.prefix else 0,
-                **(self.spec_stats.as_dict() if self.spec is not None else {})}
+                **(self.spec_stats.as_dict() if self.spec is not None else {}), **self._kv_transfer_stats()}
+
+    def _kv_transfer_stats(self) -> dict:
+        out = {}
+        if self.kv_producer is not None:
+            p = self.kv_producer
+            out.update(kv_transfers_staged=p.num_staged, kv_transfers_sent=p.num_sent, kv_transfers_held=p.num_held,
+                       kv_expired_requests=p.num_expired, kv_transfer_bytes_sent=p.bytes_sent)
+        if self.kv_consumer is not None:
+            c = self.kv_consumer
+            out.update(kv_transfers_received=c.num_received, kv_transfer_bytes_received=c.bytes_received,
+                       kv_transfer_seconds=c.seconds, kv_transfers_in_flight=len(self._pulling) + len(self._loaded),
+                       **{f"kv_transfer_failures_{stage}": n for stage, n in sorted(c.failures.items())})
+        return out
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -45,6 +45,7 @@ class _Group:
         self.completions = [_Completion(i, tokenizer, params) for i in range(params.n)]
         self.num_cached_tokens = 0
         self.prompt_logprobs: list | None = None
+        self.kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,6 +109,8 @@ class OutputProcessor:
         group.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             group.prompt_logprobs = out.prompt_logprobs
+        if out.kv_transfer_params is not None:
+            group.kv_transfer_params = out.kv_transfer_params
         comp.token_ids.append(out.token_id)
         if out.logprob is not None:
             comp.logprobs.append(out.logprob)
@@ -142,4 +145,4 @@ class OutputProcessor:
         if finished:
             del self._groups[request_id]
         return RequestOutput(request_id, group.prompt, group.prompt_ids, outs, finished, group.num_cached_tokens,
-                             prompt_logprobs=group.prompt_logprobs)
+                             prompt_logprobs=group.prompt_logprobs, kv_transfer_params=group.kv_transfer_params)

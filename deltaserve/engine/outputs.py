@@ -33,3 +33,6 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed this request (its completions end with "error")
     # With SamplingParams.prompt_logprobs: per prompt token a TokenLogprobs (None for the first), once known
     prompt_logprobs: list[Any] | None = None
+    # On a prefill instance (kv_transfer_params do_remote_decode), once finished: what the decode instance's request
+    # carries to pull this request's cache (docs/disaggregation.md)
+    kv_transfer_params: dict | None = None

@@ -57,6 +57,10 @@ class Request:
     # (position, [d] tensor) or None.
     num_drafter_tokens: int = 0
     drafter_hidden: Any = None
+    # Prefill/decode disaggregation, on a prefill instance: the tokens whose cache a decode instance pulls once this
+    # request finishes (its prompt is the client's less the last token, which the decode instance computes); None
+    # for a request of its own.
+    remote_decode_tokens: int | None = None
     # With params.prompt_logprobs (first completion only): the report of each prompt token computed so far, None
     # for the first token; filled chunk by chunk and sent with the first output token.
     prompt_logprobs: list | None = None

@@ -123,6 +123,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # Prefill/decode disaggregation (docs/disaggregation.md), vLLM's keys: {"do_remote_decode": true} on a prefill
+    # instance; on a decode instance the kv_transfer_params the prefill instance returned ({"do_remote_prefill":
+    # true, "remote_host", "remote_port", "transfer_id", "num_tokens", ...}). Other keys are ignored.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -193,6 +197,25 @@ class SamplingParams:
             self.structured_outputs.validate()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _require(isinstance(getattr(self, name), bool), name, f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.kv_transfer_params is not None:
+            self._validate_kv_transfer()
+
+    def _validate_kv_transfer(self) -> None:
+        kv = self.kv_transfer_params
+        _require(isinstance(kv, dict), "kv_transfer_params", f"kv_transfer_params must be an object, got {kv!r}")
+        for key in ("do_remote_decode", "do_remote_prefill"):
+            _require(isinstance(kv.get(key, False), bool), "kv_transfer_params",
+                     f"kv_transfer_params.{key} must be a bool, got {kv.get(key)!r}")
+        _require(not (kv.get("do_remote_decode") and kv.get("do_remote_prefill")), "kv_transfer_params",
+                 "kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other")
+        if kv.get("do_remote_prefill") and kv.get("num_tokens", 0) != 0:
+            for key, ok in (("remote_host", lambda v: isinstance(v, str) and v != ""),
+                            ("remote_port", lambda v: _is_int(v) and 0 < v < 65536),
+                            ("transfer_id", lambda v: isinstance(v, str) and v != ""),
+                            ("num_tokens", lambda v: _is_count(v))):
+                _require(ok(kv.get(key)), "kv_transfer_params",
+                         f"kv_transfer_params.{key} is missing or invalid ({kv.get(key)!r}): pass on the "
+                         f"kv_transfer_params the prefill instance returned")
 
     def _validate_seed(self) -> None:
         # The engine seeds sample i of n with `seed + i`; every one of those must reach torch's manual_seed.

@@ -225,6 +225,21 @@ class Scheduler:
     def _grow(self, req: Request, n: int) -> None:
         req.block_ids.extend(self.pages.allocate(self._blocks_to_add(req, n)))
 
+    def admit_loaded(self, req: Request, num_tokens: int) -> bool:
+        """Start a request whose first `num_tokens` tokens' cache was computed elsewhere and is to be loaded into
+        its pages and slot (prefill/decode disaggregation): a running slot, a state slot and pages for those tokens
+        and the next, taken now; False, taking nothing, while they are not free."""
+        blocks = self.pages.blocks_needed(self._held(num_tokens + 1))
+        if (len(self.running) >= self.max_num_seqs or not self.states.can_allocate()
+                or not self.pages.can_allocate(blocks)):
+            return False
+        req.state_slot = self.states.allocate()
+        req.block_ids = self.pages.allocate(blocks)
+        req.num_computed_tokens = num_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return True
+
     # ---- state changes ----
     def preempt(self, req: Request) -> None:
         """Recompute preemption: release pages and slot, forget computed tokens (outputs are kept and will be
