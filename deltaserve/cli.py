@@ -96,6 +96,12 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _router(args: argparse.Namespace) -> int:
+    from .disagg.router import run_router
+
+    return run_router(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .server.serve import run_server
 
@@ -149,6 +155,16 @@ def build_parser() -> CliParser:
 
     add_serve_args(srv)
     srv.set_defaults(func=_serve)
+
+    rt = sub.add_parser("router", help="prefill/decode disaggregation: an OpenAI-compatible front over prefill and "
+                                       "decode instances")
+    rt.add_argument("--prefill", nargs="+", required=True, help="base URLs of the prefill instances (kv_producer)")
+    rt.add_argument("--decode", nargs="+", required=True, help="base URLs of the decode instances (kv_consumer)")
+    rt.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    rt.add_argument("--port", type=int, default=8000, help="port to listen on")
+    rt.add_argument("--api-key", default=None,
+                    help="required as 'Authorization: Bearer KEY' on all but /health (default: none)")
+    rt.set_defaults(func=_router)
 
     from .tools.bench_cli import add_bench_parsers
 

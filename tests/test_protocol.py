@@ -523,7 +523,10 @@ def test_metrics_labelled_gauges_and_spec_counters():
                             "spec_decode_num_accepted_tokens_per_pos": [3, 1], "spec_decode_num_drafts": 4})
     m.observe_engine_stats({"num_waiting_by_reason": {"capacity": 1},
                             "spec_decode_num_accepted_tokens_per_pos": [5, 1, 2], "spec_decode_num_drafts": 6})
-    m.on_kv_transfer(0.2, 1024)
+    m.observe_engine_stats({"kv_transfer_bytes": 1000, "kv_transfer_seconds": [0.1],
+                            "kv_transfer_failures_by_stage": {"transfer": 1}, "kv_transfers_in_flight": 3})
+    m.observe_engine_stats({"kv_transfer_bytes": 1024, "kv_transfer_seconds": [0.2],
+                            "kv_transfer_failures_by_stage": {"transfer": 1, "handshake": 2}, "kv_transfers_in_flight": 1})
     s = _samples(m.render()[0].decode())
     assert s['deltaserve:num_requests_waiting{reason="capacity"}'] == 1
     assert s['deltaserve:num_requests_waiting{reason="kv_transfer"}'] == 0  # disappeared -> 0, not stale
@@ -531,7 +534,10 @@ def test_metrics_labelled_gauges_and_spec_counters():
     assert s['deltaserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 5
     assert s['deltaserve:spec_decode_num_accepted_tokens_per_pos_total{position="2"}'] == 2
     assert s["deltaserve:spec_decode_num_drafts_total"] == 6
-    assert s["deltaserve:kv_transfer_bytes_total"] == 1024 and s["deltaserve:kv_transfer_seconds_count"] == 1
+    assert s["deltaserve:kv_transfer_bytes_total"] == 1024 and s["deltaserve:kv_transfer_seconds_count"] == 2
+    assert s['deltaserve:kv_transfer_failures_total{stage="transfer"}'] == 1
+    assert s['deltaserve:kv_transfer_failures_total{stage="handshake"}'] == 2
+    assert s["deltaserve:kv_transfers_in_flight"] == 1
 
 
 @pytest.mark.parametrize("text", ["a\u2028b", "x\u0085y\u2029z", "plain"])

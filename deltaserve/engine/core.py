@@ -160,6 +160,7 @@ class EngineCore:
         self.kv_producer = self.kv_consumer = None
         self._pulling: dict[str, Request] = {}
         self._loaded: deque[tuple[Request, KVPayload]] = deque()
+        self._transfer_times: list[float] = []  # seconds of each pull that arrived since `take_kv_transfer_times`
         if config is None:
             return
         fmt = cache_format(model_fingerprint(self.model_path), cache.pages, cache.states)
@@ -325,7 +326,9 @@ class EngineCore:
         hit."""
         if self.kv_consumer is None:
             return
-        for request_id, result, _ in self.kv_consumer.take_done():
+        for request_id, result, seconds in self.kv_consumer.take_done():
+            if not isinstance(result, KVTransferError):
+                self._transfer_times.append(seconds)
             req = self._pulling.pop(request_id, None)
             if req is None:
                 continue  # aborted meanwhile
@@ -692,7 +695,15 @@ class EngineCore:
                 "prefix_cache_hits": self.prefix.num_hit_tokens if self.prefix else 0,
                 **(self.spec_stats.as_dict() if self.spec is not None else {}), **self._kv_transfer_stats()}
 
+    def take_kv_transfer_times(self) -> list[float]:
+        """The seconds each transfer (pull) took, for those that arrived since the last call (the server's
+        histogram)."""
+        times, self._transfer_times = self._transfer_times, []
+        return times
+
     def _kv_transfer_stats(self) -> dict:
+        """Counters of the transfer halves this instance runs, cumulative; the server's metrics take `kv_transfer_*`
+        and `kv_expired_requests` from here."""
         out = {}
         if self.kv_producer is not None:
             p = self.kv_producer
@@ -701,8 +712,11 @@ class EngineCore:
         if self.kv_consumer is not None:
             c = self.kv_consumer
             out.update(kv_transfers_received=c.num_received, kv_transfer_bytes_received=c.bytes_received,
-                       kv_transfer_seconds=c.seconds, kv_transfers_in_flight=len(self._pulling) + len(self._loaded),
+                       kv_transfers_in_flight=len(self._pulling) + len(self._loaded),
+                       kv_transfer_failures=sum(c.failures.values()), kv_transfer_failures_by_stage=dict(c.failures),
                        **{f"kv_transfer_failures_{stage}": n for stage, n in sorted(c.failures.items())})
+        if out:
+            out["kv_transfer_bytes"] = out.get("kv_transfer_bytes_sent", 0) + out.get("kv_transfer_bytes_received", 0)
         return out
 
     def check_integrity(self) -> None:

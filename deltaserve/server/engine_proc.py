@@ -72,7 +72,9 @@ def _loop(core: EngineCore, inbox, outbox, parent: int) -> None:
             return
         if core.has_unfinished_requests():
             outputs = core.step()
-            outbox.send(encode(StepOutputs([output_to_dict(o) for o in outputs], core.stats())))
+            stats = core.stats()
+            stats["kv_transfer_seconds"] = core.take_kv_transfer_times()
+            outbox.send(encode(StepOutputs([output_to_dict(o) for o in outputs], stats)))
             for failure in core.take_failures():
                 outbox.send(encode(RequestFailed(failure.request_id, failure.message)))
         elif handled:  # e.g. aborts left the core idle: no step will report that, so refresh the stats now

@@ -298,6 +298,8 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
         # The text is what `echo` shows: the prompt as the model saw it, so a truncated one is decoded back.
         inputs.append((p if isinstance(p, str) and len(ids) == len(full) else state.tokenizer.decode(ids), ids))
     params = req.to_sampling_params(default_max_tokens=16)
+    if params.kv_transfer_params is not None and len(inputs) > 1:
+        raise InvalidRequestError("kv_transfer_params", "kv_transfer_params takes a request of one prompt")
     spec, param = req.constraint()
     if spec is not None:
         state.check_constraint(spec, param)
@@ -343,7 +345,8 @@ async def completion(state: ServerState, req: CompletionRequest, raw: Request, r
                 completion_tokens += len(c.token_ids)
         prompt_tokens = sum(len(ids) for _, ids in inputs)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)})
+                             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached),
+                             "kv_transfer_params": finals[0].kv_transfer_params})
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -483,7 +486,8 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
             completion_tokens += len(c.token_ids)
             reasoning_tokens += parsed.reasoning_tokens
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                "usage": _usage(len(ids), completion_tokens, out.num_cached_tokens, reasoning_tokens)}
+                "usage": _usage(len(ids), completion_tokens, out.num_cached_tokens, reasoning_tokens),
+                "kv_transfer_params": out.kv_transfer_params}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = _prompt_logprobs_json(state.tokenizer, out.prompt_logprobs)
         return JSONResponse(body)

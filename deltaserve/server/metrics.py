@@ -12,7 +12,10 @@ Sources:
 * per request: `on_first_token(ttft_s)`, `on_token(itl_s)`, `on_finish(reason, e2e_s, prompt_tokens, cached_tokens,
   generation_tokens, ...)`. Token counters and the prefix-cache query / hit counters (in tokens: queries += prompt
   tokens, hits += cached tokens) advance at finish, so they never depend on the engine reporting them.
-* `on_kv_transfer(seconds, nbytes)` for PD; `on_engine_restart()` per engine-core restart;
+* prefill/decode disaggregation, from the snapshot: `kv_transfer_bytes` and `kv_expired_requests` (cumulative),
+  `kv_transfer_failures_by_stage` ({stage: n}, cumulative), `kv_transfers_in_flight` (a gauge) and
+  `kv_transfer_seconds` (the durations of the transfers that ended since the previous snapshot, a histogram);
+  `on_engine_restart()` per engine-core restart;
   `set_cache_config(**info)` for the info metric.
 
 Usage gauges (`kv_cache_usage_perc`, `state_slots_usage_perc`) are fractions in [0, 1] as in vLLM, despite the name.
@@ -62,7 +65,7 @@ CUMULATIVE_COUNTERS = {
     "spec_decode_num_drafts": "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
-    "kv_transfer_failures": "kv_transfer_failures",
+    "kv_transfer_bytes": "kv_transfer_bytes",
     "kv_expired_requests": "kv_expired_requests",
 }
 
@@ -72,6 +75,7 @@ GAUGES = {
     "kv_cache_usage": "kv_cache_usage_perc",
     "state_slot_usage": "state_slots_usage_perc",
     "checkpoint_slots_used": "checkpoint_slots_used",
+    "kv_transfers_in_flight": "kv_transfers_in_flight",
 }
 
 
@@ -126,6 +130,7 @@ class Metrics:
             "kv_cache_usage_perc": gauge("kv_cache_usage_perc", "Token pool (MLA latent + indexer pages) usage, 0-1."),
             "state_slots_usage_perc": gauge("state_slots_usage_perc", "KDA state slot pool usage, 0-1."),
             "checkpoint_slots_used": gauge("checkpoint_slots_used", "KDA state checkpoints held by the prefix cache."),
+            "kv_transfers_in_flight": gauge("kv_transfers_in_flight", "PD transfers pulled or waiting to be loaded."),
         }
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.", ["reason"])
         self.prefix_cache_ineffective = gauge(
@@ -142,7 +147,8 @@ class Metrics:
         self.request_success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.kv_transfer_bytes = counter("kv_transfer_bytes", "Bytes moved by PD KV transfers.")
+        self.kv_transfer_failures = counter("kv_transfer_failures", "Failed PD KV transfers by stage (handshake, "
+                                            "transfer, load).", ["stage"])
         self.engine_restarts = counter("engine_restarts", "Restarts of the engine-core process after it died.")
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens.",
@@ -199,6 +205,12 @@ class Metrics:
                 now = float(stats[key])
                 self.counters[name].inc(self._delta(self._last.get(key), now))
                 self._last[key] = now
+        for stage, now in (stats.get("kv_transfer_failures_by_stage") or {}).items():
+            key = f"kv_transfer_failures/{stage}"
+            self.kv_transfer_failures.labels(stage=stage).inc(self._delta(self._last.get(key), float(now)))
+            self._last[key] = float(now)
+        for seconds in stats.get("kv_transfer_seconds") or ():
+            self.kv_transfer_seconds.observe(seconds)
         per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos")
         if per_pos is not None:
             last = self._last_accepted_per_pos
@@ -244,11 +256,6 @@ class Metrics:
     def on_engine_restart(self) -> None:
         """The API process started a fresh engine core after the previous one died."""
         self.engine_restarts.inc()
-
-    def on_kv_transfer(self, seconds: float, nbytes: int = 0) -> None:
-        """One completed PD KV transfer (failures come cumulatively through `observe_engine_stats`)."""
-        self.kv_transfer_seconds.observe(seconds)
-        self.kv_transfer_bytes.inc(nbytes)
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) for GET /metrics."""

@@ -440,7 +440,7 @@ class _SamplingRequest(RequestBody):
                 n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=self._prompt_logprobs(), structured_outputs=self.constraint()[0],
-                skip_special_tokens=self.skip_special_tokens,
+                skip_special_tokens=self.skip_special_tokens, kv_transfer_params=self.kv_transfer_params,
                 include_stop_str_in_output=self.include_stop_str_in_output, **kwargs)
         except InvalidRequestError as exc:
             field = fields.get(exc.field, exc.field)
