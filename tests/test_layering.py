@@ -1,5 +1,6 @@
 """The package's layering, checked on the source: `ops -> layers -> models`, the caches beside the models on the
-`ModelCache` interface, the execution `backends` over the models, `engine` over them, `server` on top. A module imports only from its own package or from a
+`ModelCache` interface, the execution `backends` over the models (beside them the drafters and the prefill/decode
+transfer over the caches), `engine` over them, `server` on top. A module imports only from its own package or from a
 package of a lower rank, and no chain of imports between modules comes back to where it started (imports inside
 functions count too: a local import that hides a cycle is still a cycle)."""
 
@@ -18,7 +19,7 @@ RANKS = {
     "ops": 2, "distributed": 2,
     "layers": 3, "chat": 3,
     "models": 4, "cache": 4,
-    "backends": 5, "spec_decode": 5,
+    "backends": 5, "spec_decode": 5, "disagg": 5,
     "engine": 6,
     "server": 7,
     "tools": 8,
