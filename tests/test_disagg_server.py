@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,9 +18,8 @@ import httpx
 import openai
 import pytest
 
-from deltaserve import SamplingParams
 from engine_utils import greedy, make_llm, random_prompts
-from server_utils import REPO, Server, assert_all_free, free_port, metric, run_server, wait_until
+from server_utils import REPO, assert_all_free, free_port, metric, pid_alive, run_server, wait_until
 
 PRODUCER = json.dumps({"kv_role": "kv_producer"})
 CONSUMER = json.dumps({"kv_role": "kv_consumer",
@@ -78,12 +78,22 @@ def test_router_over_a_prefill_and_a_decode_instance(make_checkpoint, preset):
         assert metric(decode, "deltaserve:kv_transfers_in_flight") == 0
 
 
-def test_a_decode_server_whose_prefill_instance_is_gone(make_checkpoint):
+def test_a_decode_server_whose_prefill_instance_is_killed(make_checkpoint):
+    """The prefill server answers, then is killed (SIGKILL, its engine process too) before the decode server pulls:
+    that request fails within the handshake timeout naming the stage and the peer; the decode server serves the
+    next request and its pools are intact and free."""
     path = make_checkpoint("k31-tiny")
     prompt = random_prompts([30], seed=2, high=1000)[0]
-    with make_llm(path, kv_transfer_config={"kv_role": "kv_producer"}) as prefill:
-        kv = prefill.generate([prompt], SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
-                              use_tqdm=False)[0].kv_transfer_params
+    with run_server(path, *ARGS, "--kv-transfer-config", PRODUCER) as prefill:
+        first = httpx.post(prefill.url + "/v1/completions", timeout=60,
+                           json={"model": "m", "prompt": prompt, "max_tokens": 1,
+                                 "kv_transfer_params": {"do_remote_decode": True}})
+        kv = first.json()["kv_transfer_params"]
+        assert kv["num_tokens"] == len(prompt) - 1
+        engine = prefill.engine_pid()
+        os.kill(engine, signal.SIGKILL)
+        prefill.proc.kill()
+        assert wait_until(lambda: not pid_alive(engine) and prefill.proc.poll() is not None, 10, 0.1)
     with run_server(path, *ARGS, "--kv-transfer-config", CONSUMER) as decode:
         started = time.monotonic()
         answer = httpx.post(decode.url + "/v1/completions", timeout=60,
