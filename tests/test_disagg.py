@@ -121,3 +121,29 @@ def test_requests_an_instance_cannot_take_are_refused_naming_why(make_checkpoint
                         ({"do_remote_decode": 1}, "must be a bool")]:
         with pytest.raises(InvalidRequestError, match=needle):
             SamplingParams(kv_transfer_params=bad)
+
+
+def test_the_decode_side_pulls_only_the_pages_it_has_not_cached(make_checkpoint):
+    """A decode instance that has computed a prompt's first 48 tokens itself pulls only the pages past them (the
+    bytes of the accounting from that page on) and gives one instance's tokens; when those cached pages are evicted
+    before the payload arrives, it computes the prompt itself, with the same tokens."""
+    path = make_checkpoint("k31-tiny")
+    shared = random_prompts([48], seed=5, high=1000)[0]
+    prompt = shared + random_prompts([20], seed=6, high=1000)[0]
+    want = make_llm(path).generate([prompt], greedy(10), use_tqdm=False)[0].outputs[0].token_ids
+    with _producer(path) as prefill, _consumer(path) as decode:
+        core = decode.engine.core
+        decode.generate([shared + [7]], greedy(2), use_tqdm=False)  # its 3 full pages are now cached here
+        kv = _prefill(prefill, [prompt, prompt])
+        got = decode.generate([prompt], greedy(10, kv_transfer_params=kv[0]), use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want
+        n = len(prompt) - 1
+        assert core.stats()["kv_transfer_bytes_received"] == transfer_bytes(core.config, core.pages, n, 3) \
+            < transfer_bytes(core.config, core.pages, n)
+        decode.engine.add_request("again", prompt, greedy(10, kv_transfer_params=kv[1]))  # asks from page 4 on
+        core.pages.free(core.pages.allocate(core.pages.num_free))  # every cached page evicted meanwhile
+        tokens = []
+        while decode.engine.has_unfinished_requests():
+            tokens = [o.outputs[0].token_ids for o in decode.engine.step() if o.finished] or tokens
+        assert tokens == [want] and core.stats()["kv_transfers_recomputed"] == 1
+        assert_pools_free(decode.engine)

@@ -95,6 +95,19 @@ class PrefixCache:
                 return n_pages * B, pages[:n_pages]
         return 0, []
 
+    def cached_pages(self, req: Request, num_tokens: int) -> list[int]:
+        """The cached pages holding the request's longest cached prefix of full pages within its first
+        `num_tokens` tokens, whether or not a KDA checkpoint exists there (for a cache whose state comes from
+        elsewhere: prefill/decode disaggregation). Nothing is reserved."""
+        B = self.block_size
+        pages: list[int] = []
+        for j, h in enumerate(self.block_hashes(req)[:num_tokens // B]):
+            block = self.pages.lookup(h, tuple(req.token_slice(j * B, (j + 1) * B)))
+            if block is None:
+                break
+            pages.append(block)
+        return pages
+
     def pages_to_revive(self, pages: list[int]) -> int:
         """How many of a hit's pages sit in the cached (allocatable) state and stop being allocatable once shared."""
         return sum(self.pages.is_cached(b) for b in pages)

@@ -3,7 +3,8 @@
 `KVProducer` (a prefill instance): the engine copies a finished prefill's cache out of its pools (`stage`, on the
 engine thread, which then frees the pages and slot at once) and the producer keeps it until a consumer pulls it or
 `hold_timeout_s` passes. Its thread answers on a ROUTER socket at kv_ip:kv_port: `hello` (the handshake: it answers
-with its cache format) and `pull` (the staged payload, which it then drops, or an error naming why there is none).
+with its cache format) and `pull` (the staged payload from the page the consumer asks for — the earlier ones it
+holds already — which it then drops, or an error naming why there is none).
 
 `KVConsumer` (a decode instance): `pull` queues a request's transfer; the thread connects to the producer (a DEALER
 socket per peer, kept), does the handshake once per peer — refusing a peer whose model or cache format differs —
@@ -101,11 +102,14 @@ class KVProducer:
             return encode_message({"kind": "error", "transfer_id": transfer_id,
                                    "message": f"transfer {transfer_id!r} is not held here (never staged, already "
                                               f"pulled, or expired after {self.config.hold_timeout_s:g} s)"})
-        payload = entry[0]
+        try:
+            payload = entry[0].from_page(header.get("from_page", 0))
+        except (KVTransferError, TypeError) as exc:
+            return encode_message({"kind": "error", "transfer_id": transfer_id, "message": f"pull: {exc}"})
         self.num_sent += 1
         self.bytes_sent += payload.nbytes
         return encode_message({"kind": "payload", "transfer_id": transfer_id, "num_tokens": payload.num_tokens,
-                               "tokens": payload.tokens}, payload.tensors)
+                               "tokens": payload.tokens, "first_page": payload.first_page}, payload.tensors)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -130,9 +134,10 @@ class KVConsumer:
         self._thread = threading.Thread(target=self._work, name="kv-consumer", daemon=True)
         self._thread.start()
 
-    def pull(self, request_id: str, params: dict) -> None:
-        """Queue the transfer `params` (a producer's kv_transfer_params) names for request `request_id`."""
-        self._jobs.put((request_id, params))
+    def pull(self, request_id: str, params: dict, first_page: int = 0) -> None:
+        """Queue the transfer `params` (a producer's kv_transfer_params) names for request `request_id`, from its
+        page `first_page` on (this side holds the earlier ones)."""
+        self._jobs.put((request_id, params, first_page))
 
     def take_done(self) -> list[tuple[str, KVPayload | KVTransferError, float]]:
         """The transfers finished since the last call: (request id, payload or error, seconds it took)."""
@@ -155,10 +160,10 @@ class KVConsumer:
         peers: dict[tuple[str, int], zmq.Socket] = {}
         try:
             while (job := self._jobs.get()) is not None:
-                request_id, params = job
+                request_id, params, first_page = job
                 started = time.perf_counter()
                 try:
-                    result: KVPayload | KVTransferError = self._pull(context, peers, params)
+                    result: KVPayload | KVTransferError = self._pull(context, peers, params, first_page)
                     self.num_received += 1
                     self.bytes_received += result.nbytes
                 except KVTransferError as exc:
@@ -177,7 +182,7 @@ class KVConsumer:
                 sock.close(linger=0)
             context.term()
 
-    def _pull(self, context: zmq.Context, peers: dict, params: dict) -> KVPayload:
+    def _pull(self, context: zmq.Context, peers: dict, params: dict, first_page: int) -> KVPayload:
         address = (params["remote_host"], params["remote_port"])
         sock = peers.get(address)
         if sock is None:
@@ -196,7 +201,7 @@ class KVConsumer:
                 self._drop(peers, address)
                 raise KVTransferError(f"the prefill instance at {address[0]}:{address[1]}: {exc}", "handshake")
         transfer_id = params["transfer_id"]
-        sock.send_multipart(encode_message({"kind": "pull", "transfer_id": transfer_id}))
+        sock.send_multipart(encode_message({"kind": "pull", "transfer_id": transfer_id, "from_page": first_page}))
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while True:  # answers to an earlier, abandoned pull are skipped
             header, tensors = self._receive(peers, address, max(deadline - time.monotonic(), 0), "transfer",
@@ -205,7 +210,7 @@ class KVConsumer:
                 break
         if header.get("kind") != "payload":
             raise KVTransferError(f"the prefill instance at {address[0]}:{address[1]}: {header.get('message')}")
-        return KVPayload(int(header["num_tokens"]), tensors, str(header.get("tokens")))
+        return KVPayload(int(header["num_tokens"]), tensors, str(header.get("tokens")), int(header["first_page"]))
 
     def _receive(self, peers: dict, address: tuple[str, int], timeout: float, stage: str,
                  max_bytes: int) -> tuple[dict, dict]:

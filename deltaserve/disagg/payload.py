@@ -31,12 +31,27 @@ STATE_CONV, STATE_RECURRENT = "state.conv", "state.recurrent"
 
 class KVPayload(NamedTuple):
     """One request's cache for its first `num_tokens` tokens: page tensors by `PagePool.named_storage` name, each
-    [pages, B, ...], and the KDA state (STATE_CONV, STATE_RECURRENT: one slot's tensors); `tokens`: the
-    `token_digest` of those tokens, which the loading side checks against its own prompt."""
+    [pages, B, ...] for its pages `first_page` .. ceil(num_tokens / B) - 1 (the loading side holds the earlier ones
+    already), and the KDA state (STATE_CONV, STATE_RECURRENT: one slot's tensors); `tokens`: the `token_digest` of
+    those tokens, which the loading side checks against its own prompt."""
 
     num_tokens: int
     tensors: dict[str, torch.Tensor]
     tokens: str
+    first_page: int = 0
+
+    def from_page(self, first: int) -> "KVPayload":
+        """This payload less its pages before page `first` (views)."""
+        if not self.first_page <= first <= self.first_page + self.num_pages:
+            raise KVTransferError(f"page {first} is outside the payload's pages {self.first_page} .. "
+                                  f"{self.first_page + self.num_pages - 1}")
+        cut = first - self.first_page
+        return KVPayload(self.num_tokens, {n: t if n in (STATE_CONV, STATE_RECURRENT) else t[cut:]
+                                           for n, t in self.tensors.items()}, self.tokens, first)
+
+    @property
+    def num_pages(self) -> int:
+        return next((t.shape[0] for n, t in self.tensors.items() if n not in (STATE_CONV, STATE_RECURRENT)), 0)
 
     @property
     def nbytes(self) -> int:
@@ -113,9 +128,10 @@ def import_kv(payload: KVPayload, pages: PagePool, states: StateSlots, block_ids
     if len(tokens) != payload.num_tokens or token_digest(tokens) != payload.tokens:
         raise KVTransferError(f"the transferred cache was computed from other tokens than this prompt's first "
                               f"{payload.num_tokens}", "load")
-    count = pages.blocks_needed(payload.num_tokens)
-    if count > len(block_ids):
-        raise KVTransferError(f"{payload.num_tokens} tokens need {count} pages; {len(block_ids)} were allocated")
+    first, count = payload.first_page, pages.blocks_needed(payload.num_tokens) - payload.first_page
+    if first + count > len(block_ids):
+        raise KVTransferError(f"{payload.num_tokens} tokens need {first + count} pages; {len(block_ids)} were "
+                              f"allocated")
     page_tensors, slot_tensors = pages.named_storage(drafter=False), _slot_tensors(states)
     want = {**{n: (t.dtype, (count, *t.shape[1:])) for n, t in page_tensors.items()},
             **{n: (t.dtype, tuple(t.shape[1:])) for n, t in slot_tensors.items()}}
@@ -124,15 +140,16 @@ def import_kv(payload: KVPayload, pages: PagePool, states: StateSlots, block_ids
         wrong = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
         raise KVTransferError(f"the payload's tensor {wrong[0]!r} is {got.get(wrong[0])}, expected "
                               f"{want.get(wrong[0])}")
-    index = torch.tensor(block_ids[:count], dtype=torch.long)
+    index = torch.tensor(block_ids[first:first + count], dtype=torch.long)
     for name, t in page_tensors.items():  # as bytes: index_copy_ has no 8-bit float kernel
         t.view(torch.uint8).index_copy_(0, index, payload.tensors[name].view(torch.uint8))
     for name, t in slot_tensors.items():
         t[slot].copy_(payload.tensors[name])
 
 
-def transfer_bytes(config, pages: PagePool, num_tokens: int) -> int:
+def transfer_bytes(config, pages: PagePool, num_tokens: int, first_page: int = 0) -> int:
     """The accounting of one request's payload from the model's shapes, as the pools are sized (not from the
-    payload): its pages (latent, indexer keys and scales) and one KDA state slot."""
+    payload): its pages from `first_page` on (latent, indexer keys and scales) and one KDA state slot."""
     per_token = PagePool.bytes_per_token(config, pages.dtype, pages.latent_8bit, pages.keys_8bit)
-    return pages.blocks_needed(num_tokens) * pages.block_size * per_token + StateSlots.bytes_per_slot(config)
+    count = pages.blocks_needed(num_tokens) - first_page
+    return count * pages.block_size * per_token + StateSlots.bytes_per_slot(config)

@@ -160,6 +160,7 @@ class EngineCore:
         self.kv_producer = self.kv_consumer = None
         self._pulling: dict[str, Request] = {}
         self._loaded: deque[tuple[Request, KVPayload]] = deque()
+        self.kv_transfers_recomputed = 0  # transferred requests computed here after all (their cached pages went)
         self._transfer_times: list[float] = []  # seconds of each pull that arrived since `take_kv_transfer_times`
         if config is None:
             return
@@ -200,9 +201,10 @@ class EngineCore:
         first.remote_decode_tokens = remote_decode
         self._requests[request_id] = [first]
         self._n[request_id] = (params, max_tokens, grammar)
-        if pull:
+        if pull:  # the pages this side has cached already do not travel
             self._pulling[request_id] = first
-            self.kv_consumer.pull(request_id, kv)
+            cached = self.prefix.cached_pages(first, kv["num_tokens"]) if self.prefix is not None else []
+            self.kv_consumer.pull(request_id, kv, len(cached))
         else:
             self.scheduler.add(first)
 
@@ -338,7 +340,15 @@ class EngineCore:
                 self._loaded.append((req, result))
         while self._loaded:
             req, payload = self._loaded[0]
-            if not self.scheduler.admit_loaded(req, payload.num_tokens):
+            cached = self.prefix.cached_pages(req, payload.num_tokens) if self.prefix is not None else []
+            if len(cached) < payload.first_page:  # evicted since the pull was sent: compute the prompt here
+                self._loaded.popleft()
+                log.warning("request %s: %d of the cached pages its transfer left out were evicted meanwhile; "
+                            "computing its prompt here", req.request_id, payload.first_page - len(cached))
+                self.kv_transfers_recomputed += 1
+                self.scheduler.add(req)
+                continue
+            if not self.scheduler.admit_loaded(req, payload.num_tokens, cached[:payload.first_page]):
                 if self.scheduler.running:
                     return  # pages or a slot free up as they finish
                 self._loaded.popleft()
@@ -713,6 +723,7 @@ class EngineCore:
             c = self.kv_consumer
             out.update(kv_transfers_received=c.num_received, kv_transfer_bytes_received=c.bytes_received,
                        kv_transfers_in_flight=len(self._pulling) + len(self._loaded),
+                       kv_transfers_recomputed=self.kv_transfers_recomputed,
                        kv_transfer_failures=sum(c.failures.values()), kv_transfer_failures_by_stage=dict(c.failures),
                        **{f"kv_transfer_failures_{stage}": n for stage, n in sorted(c.failures.items())})
         if out:

@@ -225,16 +225,20 @@ class Scheduler:
     def _grow(self, req: Request, n: int) -> None:
         req.block_ids.extend(self.pages.allocate(self._blocks_to_add(req, n)))
 
-    def admit_loaded(self, req: Request, num_tokens: int) -> bool:
+    def admit_loaded(self, req: Request, num_tokens: int, cached: list[int]) -> bool:
         """Start a request whose first `num_tokens` tokens' cache was computed elsewhere and is to be loaded into
-        its pages and slot (prefill/decode disaggregation): a running slot, a state slot and pages for those tokens
-        and the next, taken now; False, taking nothing, while they are not free."""
-        blocks = self.pages.blocks_needed(self._held(num_tokens + 1))
+        its pages and slot (prefill/decode disaggregation), its first pages shared from the prefix cache (`cached`,
+        pages this side already holds): a running slot, a state slot and pages for those tokens and the next,
+        taken now; False, taking nothing, while they are not free."""
+        blocks = self.pages.blocks_needed(self._held(num_tokens + 1)) - len(cached)
+        revived = self.prefix.pages_to_revive(cached) if self.prefix is not None else 0
         if (len(self.running) >= self.max_num_seqs or not self.states.can_allocate()
-                or not self.pages.can_allocate(blocks)):
+                or not self.pages.can_allocate(blocks + revived)):
             return False
         req.state_slot = self.states.allocate()
-        req.block_ids = self.pages.allocate(blocks)
+        self.pages.share(cached)
+        req.block_ids = list(cached) + self.pages.allocate(blocks)
+        req.num_registered_blocks = len(cached)
         req.num_computed_tokens = num_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
