@@ -18,8 +18,8 @@ from engine_utils import assert_pools_free, greedy, make_llm, random_prompts
 QUICK = {"handshake_timeout_s": 3, "transfer_timeout_s": 3, "hold_timeout_s": 30}
 
 
-def _producer(path, **kw):
-    return make_llm(path, kv_transfer_config={"kv_role": "kv_producer"}, **kw)
+def _producer(path, role="kv_producer", **kw):
+    return make_llm(path, kv_transfer_config={"kv_role": role}, **kw)
 
 
 def _consumer(path, **kw):
@@ -32,11 +32,12 @@ def _prefill(prefill, prompts) -> list[dict]:
     return [o.kv_transfer_params for o in outs]
 
 
-@pytest.mark.parametrize("preset, kw", [("k31-tiny", {}), ("kimi-linear-tiny", {}),
-                                        ("deepseek-v32-tiny", {"kv_cache_dtype": "fp8"})])
-def test_prefill_then_decode_gives_one_instance_tokens(make_checkpoint, preset, kw):
-    """Prompts of 1 to 70 tokens (chunked on the prefill side), one decoded with n = 2 and one with logprobs: the
-    tokens (and logprobs) of one instance; each transfer's bytes are the accounting's; nothing is held after."""
+@pytest.mark.parametrize("preset, role, kw", [("k31-tiny", "kv_producer", {}), ("kimi-linear-tiny", "kv_both", {}),
+                                              ("deepseek-v32-tiny", "kv_producer", {"kv_cache_dtype": "fp8"})])
+def test_prefill_then_decode_gives_one_instance_tokens(make_checkpoint, preset, role, kw):
+    """Prompts of 1 to 70 tokens (chunked on the prefill side, which may also be a kv_both instance), one decoded
+    with n = 2 and one with logprobs: the tokens (and logprobs) of one instance; each transfer's bytes are the
+    accounting's; nothing is held after."""
     path = make_checkpoint(preset)
     prompts = random_prompts([1, 2, 16, 17, 40, 70], seed=7, high=1000)
     params = [greedy(12) for _ in prompts]
@@ -44,7 +45,7 @@ def test_prefill_then_decode_gives_one_instance_tokens(make_checkpoint, preset, 
     params[4] = greedy(12, logprobs=2)
     single = make_llm(path, **kw)
     want = single.generate(prompts, params, use_tqdm=False)
-    with _producer(path, max_num_batched_tokens=24, **kw) as prefill, _consumer(path, **kw) as decode:
+    with _producer(path, role, max_num_batched_tokens=24, **kw) as prefill, _consumer(path, **kw) as decode:
         kv = _prefill(prefill, prompts)
         assert [k["num_tokens"] for k in kv] == [len(p) - 1 for p in prompts]
         p_core, d_core = prefill.engine.core, decode.engine.core

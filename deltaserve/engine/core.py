@@ -360,6 +360,9 @@ class EngineCore:
                           req.prompt_ids[:payload.num_tokens])
             except KVTransferError as exc:
                 self._fail_load(req, exc)
+                continue
+            log.info("request %s: loaded the cache of %d tokens, %d bytes from page %d on", req.request_id,
+                     payload.num_tokens, payload.nbytes, payload.first_page)
 
     def _fail_load(self, req: Request, exc: KVTransferError) -> None:
         self.kv_consumer.failures["load"] += 1
