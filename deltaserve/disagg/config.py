@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 
 from ..errors import ConfigError
+from ..json_flag import json_object
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("DeltaserveConnector",)
@@ -56,14 +56,7 @@ class KVTransferConfig:
         """A config from JSON text or a dict (None stays None); unknown keys and bad values raise ConfigError."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"kv_transfer_config is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise ConfigError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
-        value = dict(value)
+        value = json_object(value, "kv_transfer_config")
         extra = value.pop("kv_connector_extra_config", None) or {}
         if not isinstance(extra, dict):
             raise ConfigError("kv_transfer_config.kv_connector_extra_config must be a JSON object")

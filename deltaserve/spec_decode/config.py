@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ConfigError
+from ..json_flag import json_object
 
 METHODS = ("suffix", "mtp", "dspark")
 
@@ -53,13 +53,7 @@ class SpeculativeConfig:
         """A config from JSON text or a dict (None stays None); unknown keys and bad values raise ConfigError."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"speculative_config is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "speculative_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
