@@ -108,3 +108,23 @@ def test_a_decode_server_whose_prefill_instance_is_killed(make_checkpoint):
         # its first contact with that peer: the handshake is the stage that gets no answer
         assert metric(decode, 'deltaserve:kv_transfer_failures_total{stage="handshake"}') == 1
         assert_all_free(decode)
+
+
+def test_router_guards_and_errors_without_instances():
+    """The router alone (its instances down): the API key on all but /health, 413 for an oversized body, 400 for
+    one that is not a JSON object, 502 naming an unreachable instance, 503 health."""
+    from fastapi.testclient import TestClient
+
+    from deltaserve.disagg.router import MAX_BODY_BYTES, build_router_app
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with TestClient(build_router_app([dead], [dead], api_key="k")) as client:
+        key = {"Authorization": "Bearer k"}
+        assert client.get("/health").status_code == 503
+        assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 401
+        assert client.post("/v1/completions", headers={**key, "content-length": str(MAX_BODY_BYTES + 1)},
+                           content=b"{}").status_code == 413
+        bad = client.post("/v1/completions", headers=key, content=b"[1, 2]")
+        assert bad.status_code == 400 and "JSON object" in bad.json()["error"]["message"]
+        gone = client.post("/v1/chat/completions", headers=key, json={"messages": []})
+        assert gone.status_code == 502 and f"prefill instance {dead}" in gone.json()["error"]["message"]
