@@ -130,7 +130,7 @@ class KVConsumer:
         self._ready = threading.Condition()
         self.num_received = self.bytes_received = 0
         self.seconds = 0.0
-        self.failures: Counter = Counter()  # by stage
+        self._failures: Counter = Counter()  # by stage; under `_ready`'s lock (two threads count)
         self._thread = threading.Thread(target=self._work, name="kv-consumer", daemon=True)
         self._thread.start()
 
@@ -144,6 +144,15 @@ class KVConsumer:
         with self._ready:
             done, self._done = self._done, []
         return done
+
+    def count_failure(self, stage: str) -> None:
+        with self._ready:
+            self._failures[stage] += 1
+
+    def failures(self) -> dict[str, int]:
+        """Failed transfers so far, by stage."""
+        with self._ready:
+            return dict(self._failures)
 
     def wait(self, timeout: float) -> None:
         """Until a transfer finishes, at most `timeout` seconds."""
@@ -171,7 +180,7 @@ class KVConsumer:
                 except Exception as exc:  # noqa: BLE001 — this thread must outlive any one transfer
                     result = KVTransferError(f"transfer failed: {type(exc).__name__}: {exc}")
                 if isinstance(result, KVTransferError):
-                    self.failures[result.stage] += 1
+                    self.count_failure(result.stage)
                 seconds = time.perf_counter() - started
                 self.seconds += seconds
                 with self._ready:

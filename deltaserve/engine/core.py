@@ -365,7 +365,7 @@ class EngineCore:
                      payload.num_tokens, payload.nbytes, payload.first_page)
 
     def _fail_load(self, req: Request, exc: KVTransferError) -> None:
-        self.kv_consumer.failures["load"] += 1
+        self.kv_consumer.count_failure("load")
         self._fail(req.request_id, "kv_transfer", exc)
 
     def _schedule(self) -> StepPlan:
@@ -723,12 +723,12 @@ class EngineCore:
             out.update(kv_transfers_staged=p.num_staged, kv_transfers_sent=p.num_sent, kv_transfers_held=p.num_held,
                        kv_expired_requests=p.num_expired, kv_transfer_bytes_sent=p.bytes_sent)
         if self.kv_consumer is not None:
-            c = self.kv_consumer
+            c, failures = self.kv_consumer, self.kv_consumer.failures()
             out.update(kv_transfers_received=c.num_received, kv_transfer_bytes_received=c.bytes_received,
                        kv_transfers_in_flight=len(self._pulling) + len(self._loaded),
                        kv_transfers_recomputed=self.kv_transfers_recomputed,
-                       kv_transfer_failures=sum(c.failures.values()), kv_transfer_failures_by_stage=dict(c.failures),
-                       **{f"kv_transfer_failures_{stage}": n for stage, n in sorted(c.failures.items())})
+                       kv_transfer_failures=sum(failures.values()), kv_transfer_failures_by_stage=failures,
+                       **{f"kv_transfer_failures_{stage}": n for stage, n in sorted(failures.items())})
         if out:
             out["kv_transfer_bytes"] = out.get("kv_transfer_bytes_sent", 0) + out.get("kv_transfer_bytes_received", 0)
         return out
