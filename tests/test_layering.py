@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "deltaserve"
 # inside its own package). `__init__` (the public facade) and `cli` sit on top of everything.
 RANKS = {
     "errors": 0, "envs": 0, "version": 0,
-    "config": 1, "json_flag": 1, "tokenizer": 1, "default_model": 1,
+    "config": 1, "json_flag": 1, "tokenizer": 1, "vision": 1, "default_model": 1,
     "ops": 2, "distributed": 2,
     "layers": 3, "chat": 3,
     "models": 4, "cache": 4,
