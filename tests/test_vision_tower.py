@@ -189,3 +189,56 @@ def test_k3_items_in_one_batch_do_not_see_each_other():
         alone.append(proj(tower(pixels[start:start + t * h * w], [(t, h, w)])))
         start += t * h * w
     torch.testing.assert_close(together, torch.cat(alone), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_make_model_writes_a_tower_that_loads_and_encodes_an_image(make_checkpoint, tmp_path):
+    """`k3-tiny-vision`: its vision tensors and preprocessor_config.json load (`load_vision`), hold the parameter
+    count of the spec's formula, and an uploaded PNG goes through the processor and the tower to one text-width
+    row per placeholder position; vLLM's projector names load the same; a missing or mis-shaped tensor and an
+    unsupported vision_config value are refused naming them."""
+    import io
+    import json
+    import shutil
+
+    from PIL import Image
+    from safetensors.torch import load_file, save_file
+
+    from deltaserve.errors import CheckpointError, ConfigError
+    from deltaserve.models.vision import load_vision
+    from deltaserve.vision import MediaConfig, preprocess
+
+    path = make_checkpoint("k3-tiny-vision")
+    vision = load_vision(path)
+    c = vision.config
+    D, Q, I, p = c.hidden_size, c.qkv_size, c.intermediate_size, c.patch_size
+    tower = c.num_layers * (D * 3 * Q + Q * D + 2 * D * I + 2 * D) + 3 * p * p * D + 8 * 8 * D + D
+    projector = (4 * D) ** 2 + 4 * D * c.text_hidden_size + c.text_hidden_size
+    assert sum(t.numel() for t in vision.parameters()) == tower + projector
+    png = io.BytesIO()
+    Image.new("RGB", (100, 60), (200, 30, 90)).save(png, format="PNG")
+    image = preprocess(png.getvalue(), MediaConfig.load(path))
+    out = vision.encode(image.pixel_values, [image.grid])
+    assert out.shape == (image.num_tokens, 64) and torch.isfinite(out).all()
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(path, renamed)
+    tensors = load_file(renamed / "model.safetensors")
+    for old, new in (("mm_projector.proj.0.", "mm_projector.linear_1."), ("mm_projector.proj.2.", "mm_projector.linear_2.")):
+        for name in [n for n in tensors if n.startswith(old)]:
+            tensors[new + name[len(old):]] = tensors.pop(name)
+    save_file(tensors, renamed / "model.safetensors")
+    assert torch.equal(load_vision(renamed).encode(image.pixel_values, [image.grid]), out)
+    del tensors["vision_tower.encoder.blocks.1.wo.weight"]
+    save_file(tensors, renamed / "model.safetensors")
+    with pytest.raises(CheckpointError, match="lacks vision tensor 'vision_tower.encoder.blocks.1.wo.weight'"):
+        load_vision(renamed)
+    tensors["vision_tower.encoder.blocks.1.wo.weight"] = torch.zeros(3, 3)
+    save_file(tensors, renamed / "model.safetensors")
+    with pytest.raises(CheckpointError, match="blocks.1.wo.weight' is \\[3, 3\\]"):
+        load_vision(renamed)
+    raw = json.loads((path / "config.json").read_text())
+    raw["vision_config"]["merge_type"] = "sd2"
+    (renamed / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="merge_type 'sd2' is not supported"):
+        load_vision(renamed)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,38 @@ class VisionConfig:
     @property
     def head_dim(self) -> int:
         return self.qkv_size // self.num_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict, text_hidden_size: int) -> "VisionConfig":
+        """A K3 `vision_config` (model_type kimi_k3_vision; docs/vision.md §1 gives its keys and their aliases). A
+        value this tower does not implement is refused naming the key."""
+        for key, only in (("pos_emb_type", "divided_fixed"), ("merge_type", "sd2_tpool"),
+                          ("mm_projector_type", "patchmergerv2"), ("video_attn_type", "spatial_temporal"),
+                          ("norm_type", "rmsnorm"), ("mlp_type", "mlp2"), ("activation_func", "gelu_pytorch_tanh"),
+                          ("projector_hidden_act", "gelu")):
+            if raw.get(key, only) != only:
+                raise ConfigError(f"vision_config.{key} {raw[key]!r} is not supported (only {only!r})")
+        for key in ("attn_bias", "linear_bias", "patch_embed_proj_bias"):
+            if raw.get(key, False):
+                raise ConfigError(f"vision_config.{key}: the K3 tower has no biases")
+
+        def get(name: str, alias: str | None, default):
+            return raw.get(name, raw.get(alias, default)) if alias else raw.get(name, default)
+
+        d = cls()
+        merge = raw.get("merge_kernel_size", list(d.merge_kernel))
+        return cls("k3", int(raw.get("patch_size", d.patch_size)),
+                   int(raw.get("init_pos_emb_height", d.pos_emb_height)),
+                   int(raw.get("init_pos_emb_width", d.pos_emb_width)),
+                   int(raw.get("init_pos_emb_time", d.pos_emb_time)),
+                   str(raw.get("pos_emb_interpolation_mode", d.pos_emb_mode)),
+                   int(get("vt_num_hidden_layers", "num_hidden_layers", d.num_layers)),
+                   int(get("vt_hidden_size", "hidden_size", d.hidden_size)),
+                   int(get("vt_num_attention_heads", "num_attention_heads", d.num_heads)),
+                   int(raw.get("qkv_hidden_size", d.qkv_size)),
+                   int(get("vt_intermediate_size", "intermediate_size", d.intermediate_size)),
+                   (int(merge[0]), int(merge[1])), text_hidden_size,
+                   float(raw.get("projector_ln_eps", d.projector_ln_eps)))
 
 
 def position_table(table: torch.Tensor, gh: int, gw: int, mode: str) -> torch.Tensor:
@@ -237,3 +270,63 @@ class Projector(nn.Module):
         if self.post_norm is None:
             return z
         return F.rms_norm(z, (z.shape[-1],), self.post_norm.weight, eps=self.c.projector_ln_eps)
+
+
+class VisionModel(nn.Module):
+    """The tower and the projector as a checkpoint stores them (`vision_tower.*`, `mm_projector.*`)."""
+
+    def __init__(self, c: VisionConfig):
+        super().__init__()
+        self.config = c
+        self.vision_tower = VisionTower(c)
+        self.mm_projector = Projector(c)
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Patches of one or more items -> [sum gh·gw/4, text_hidden_size], items in order."""
+        dtype = self.mm_projector.proj[0].weight.dtype
+        return self.mm_projector(self.vision_tower(pixel_values.to(dtype), grids))
+
+
+# vLLM's internal names of the projector's linears, accepted on load.
+_ALIASES = {"mm_projector.linear_1.": "mm_projector.proj.0.", "mm_projector.linear_2.": "mm_projector.proj.2."}
+
+
+def load_vision(path: Path, dtype: torch.dtype = torch.float32) -> VisionModel | None:
+    """The vision model of a K3 checkpoint folder, or None when it stores no vision tensors. Every tower and
+    projector tensor must be there, in its shape (CheckpointError naming the first that is not)."""
+    from safetensors import safe_open
+
+    from ..errors import CheckpointError
+    from .loader import read_config, tensor_files
+
+    files = {name: f for name, f in tensor_files(Path(path)).items()
+             if name.startswith(("vision_tower.", "mm_projector."))}
+    if not files:
+        return None
+    raw = read_config(Path(path))
+    text = raw.get("text_config", raw)
+    model = VisionModel(VisionConfig.from_dict(raw.get("vision_config") or {}, int(text["hidden_size"])))
+    params = dict(model.named_parameters())
+    seen = set()
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        by_file.setdefault(f, []).append(name)
+    with torch.no_grad():
+        for f, names in by_file.items():
+            with safe_open(f, "pt") as sf:
+                for name in names:
+                    target = next((name.replace(a, b, 1) for a, b in _ALIASES.items() if name.startswith(a)), name)
+                    if target not in params:
+                        raise CheckpointError(f"unexpected vision tensor {name!r}: the vision_config has no such "
+                                              f"weight")
+                    value = sf.get_tensor(name)
+                    if tuple(value.shape) != tuple(params[target].shape):
+                        raise CheckpointError(f"vision tensor {name!r} is {list(value.shape)}; the vision_config "
+                                              f"makes it {list(params[target].shape)}")
+                    params[target].copy_(value)
+                    seen.add(target)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks vision tensor {missing[0]!r} ({len(missing)} missing)")
+    return model.to(dtype).eval()

@@ -108,8 +108,31 @@ def write_checkpoint(preset: Preset, out: Path, seed: int = 0, dtype: str | None
     target = raw["text_config"] if "text_config" in raw else raw
     target["torch_dtype"] = "bfloat16" if torch_dtype == torch.bfloat16 else "float32"
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    if preset.media_proc_cfg is not None:
+        tensors |= _random_vision(raw, config.hidden_size, torch_dtype, seed)
+        (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": preset.media_proc_cfg},
+                                                                 indent=2) + "\n")
     _save_sharded(tensors, out, shard_bytes)
     write_tokenizer_files(out, preset.tokenizer_family, preset.num_bpe_ranks, seed=seed)
+    return out
+
+
+def _random_vision(raw: dict, text_hidden: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """The vision tower's and projector's tensors under their checkpoint names, seeded (matrices ~ fan_in^-1/2,
+    norms near 1, the position table ~ 0.2)."""
+    from ..models.vision import VisionConfig, VisionModel
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    model = VisionModel(VisionConfig.from_dict(raw["vision_config"], text_hidden))
+    out = {}
+    for name, p in model.named_parameters():
+        if p.ndim == 1:
+            value = 1 + 0.1 * torch.randn(p.shape, generator=gen)
+        elif name.endswith("pos_emb.weight"):
+            value = 0.2 * torch.randn(p.shape, generator=gen)
+        else:
+            value = torch.randn(p.shape, generator=gen) * p[0].numel() ** -0.5
+        out[name] = value.to(dtype).contiguous()
     return out
 
 

@@ -16,6 +16,7 @@ class Preset:
     tokenizer_family: str  # for deltaserve.tools.tokenizer_files
     num_bpe_ranks: int
     dtype: str = "bfloat16"
+    media_proc_cfg: dict | None = None  # preprocessor_config.json's, for a preset with a vision tower
 
 
 # compressed-tensors block of the released checkpoints: routed experts only, E2M1 + E8M0 per 32 (docs/ops.md §8).
@@ -198,11 +199,26 @@ def _kimi_linear_small() -> dict:
     return config
 
 
-def _k3(dims: dict, num_bpe: int, indexer: dict | None, mxfp4: bool = False) -> dict:
+def _k3(dims: dict, num_bpe: int, indexer: dict | None, mxfp4: bool = False, vision: dict | None = None) -> dict:
     text = k3_text_config(**dims, vocab=num_bpe + 256, num_bpe=num_bpe)
     if mxfp4:
         text["quantization_config"] = MXFP4_EXPERTS_QUANT_CONFIG
-    return k3_config(text, indexer=indexer, num_bpe=num_bpe)
+    config = k3_config(text, indexer=indexer, num_bpe=num_bpe)
+    if vision is not None:
+        config["vision_config"] = {**config["vision_config"], **vision}
+    return config
+
+
+# A MoonViT-V2 of the K3 shape at toy size: attention width (qkv 64) differs from the width (32) as in K3's.
+_TINY_VISION = {"patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8, "init_pos_emb_time": 4,
+                "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear", "vt_num_hidden_layers": 2,
+                "vt_hidden_size": 32, "vt_num_attention_heads": 2, "qkv_hidden_size": 64, "vt_intermediate_size": 48,
+                "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal",
+                "mm_projector_type": "patchmergerv2", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5,
+                "norm_type": "rmsnorm", "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False,
+                "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh"}
+_TINY_MEDIA = {"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 256, "patch_limit_on_one_side": 32,
+               "fixed_output_tokens": None, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 
 def _deepseek_v32(*, hidden: int, layers: int, heads: int, q_lora: int | None, kv_lora: int, nope: int, rope: int,
@@ -265,6 +281,8 @@ PRESETS: dict[str, Preset] = {
     "k31-tiny": Preset("k31-tiny", _k3(_TINY, _TINY_BPE, {"heads": 8, "head_dim": 16, "topk": 16}), "kimi_k3",
                        _TINY_BPE),
     "k3-tiny": Preset("k3-tiny", _k3(_TINY, _TINY_BPE, None), "kimi_k3", _TINY_BPE),
+    "k3-tiny-vision": Preset("k3-tiny-vision", _k3(_TINY, _TINY_BPE, None, vision=_TINY_VISION), "kimi_k3",
+                             _TINY_BPE, media_proc_cfg=_TINY_MEDIA),
     "kimi-linear-tiny": Preset("kimi-linear-tiny", _kimi_linear_tiny(), "kimi_linear", _TINY_BPE),
     "k31-stdlib": Preset("k31-stdlib", _k3(_STDLIB, _STDLIB_BPE, {"heads": 8, "head_dim": 32, "topk": 128}),
                          "kimi_k3", _STDLIB_BPE),
