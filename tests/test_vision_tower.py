@@ -242,3 +242,54 @@ def test_make_model_writes_a_tower_that_loads_and_encodes_an_image(make_checkpoi
     (renamed / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="merge_type 'sd2' is not supported"):
         load_vision(renamed)
+
+
+@torch.no_grad()
+def test_features_replace_exactly_the_pad_rows_and_survive_a_chunk_split_inside_them(make_checkpoint):
+    """docs/vision.md: the k-th pad position takes the k-th projector output; rows given by the batch replace those
+    tokens' embeddings and no others (a run whose pads keep their token embeddings differs from the image run,
+    the text before the image does not); computed in two chunks through the paged cache, the second starting inside
+    the pad run, the logits are the single forward's."""
+    import io
+
+    from PIL import Image
+
+    from deltaserve.cache.page_pool import PagePool
+    from deltaserve.cache.paged_cache import PagedCache, SeqHandle
+    from deltaserve.cache.state_slots import StateSlots
+    from deltaserve.layers.batch import StepBatch
+    from deltaserve.models.loader import load_model
+    from deltaserve.models.vision import load_vision
+    from deltaserve.vision import MediaConfig, preprocess
+
+    path = make_checkpoint("k3-tiny-vision")
+    model, vision = load_model(path, "float32"), load_vision(path)
+    png = io.BytesIO()
+    Image.new("RGB", (90, 70), (40, 160, 220)).save(png, format="PNG")
+    image = preprocess(png.getvalue(), MediaConfig.load(path))
+    features = vision.encode(image.pixel_values, [image.grid])
+    pad = model.config.vocab_size - 1  # any id: the rows are replaced
+    ids = torch.tensor([5, 9, 11] + [pad] * image.num_tokens + [17, 3, 8])
+    rows = torch.arange(3, 3 + image.num_tokens)
+    full = model.compute_logits(model(ids, dataclasses_replace(StepBatch.single(len(ids)), (rows, features))))
+    plain = model.reference_logits(ids)
+    torch.testing.assert_close(full[:3], plain[:3], rtol=1e-5, atol=1e-5)  # the text before the image: as without it
+    assert (full[3:] - plain[3:]).abs().amax() > 1e-2  # the image rows and all after them see the features
+
+    cache = PagedCache(PagePool(model.config, 4, 16, torch.float32), StateSlots(model.config, 1))
+    table = torch.arange(4 * 16)
+    cut = 3 + image.num_tokens // 2  # the second chunk starts inside the pad run
+    logits = []
+    for start, end in ((0, cut), (cut, len(ids))):
+        batch = StepBatch(torch.arange(start, end), [0, end - start], [start], cache, [SeqHandle(0, table[:end])],
+                          write_rows=table[start:end])
+        inside = (rows >= start) & (rows < end)
+        batch = dataclasses_replace(batch, (rows[inside] - start, features[inside]))
+        logits.append(model.compute_logits(model(ids[start:end], batch)))
+    torch.testing.assert_close(torch.cat(logits), full, rtol=1e-4, atol=1e-4)
+
+
+def dataclasses_replace(batch, input_embeds):
+    import dataclasses
+
+    return dataclasses.replace(batch, input_embeds=input_embeds)

@@ -107,6 +107,9 @@ class StepBatch:
     # every row attends in the decode form (`context_rows`) whatever its sequence's row count: for callers whose
     # layers keep no KDA state, as the MTP block's catch-up of several positions
     decode_form: bool = False
+    # (rows [R] int64, values [R, d]): rows whose input embedding is given instead of their token's (an image's
+    # features in place of its placeholder tokens, docs/vision.md); None: every row embeds its token
+    input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -35,7 +35,16 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Pre-norm final hidden state h [N, d] of the flattened tokens (what MTP and drafters consume)."""
-        return self.run_layers(self.embed_tokens(input_ids), Eager(batch))
+        return self.run_layers(self.embed(input_ids, batch), Eager(batch))
+
+    def embed(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """The rows' input embeddings: each token's, but where the batch gives a row's embedding (an image's
+        features on its placeholder positions)."""
+        h = self.embed_tokens(input_ids)
+        if batch.input_embeds is None:
+            return h
+        rows, values = batch.input_embeds
+        return h.index_copy(0, rows, values.to(h.dtype))
 
     def run_layers(self, h: V, blocks: SubBlocks[V]) -> V:
         """The decoder stack over the embedded tokens: plain pre-norm residual layers, or block AttnRes with the

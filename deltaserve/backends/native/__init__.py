@@ -33,7 +33,7 @@ class NativeBackend(Backend):
         return f"native forms for {changed} modules{ranks}"
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        h = model.embed_tokens(input_ids)
+        h = model.embed(input_ids, batch)
         out = self.programs.run(model, h, batch)
         return out if out is not None else model.run_layers(h, Eager(batch))
 
