@@ -46,7 +46,6 @@ class Seq:
     ("[1]", "JSON object"),
     ({"num_speculative_tokens": 2}, "'method'"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
-    ({"method": "dspark", "num_speculative_tokens": 2}, "model"),
     ({"method": "suffix", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "suffix", "num_speculative_tokens": 2.5}, "num_speculative_tokens"),
     ({"method": "suffix", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown keys"),
@@ -56,6 +55,14 @@ class Seq:
 def test_config_errors_name_the_key(value, needle):
     with pytest.raises(ConfigError, match=needle):
         SpeculativeConfig.parse(value)
+
+
+def test_dspark_without_a_drafter_folder_names_where_it_looked(make_checkpoint):
+    """Without `model`, the drafter shipped beside the target (MODEL/dspark) is taken; a model without one is
+    refused at start naming that folder."""
+    path = make_checkpoint("k31-tiny")
+    with pytest.raises(ConfigError, match=f"no drafter at {path / 'dspark'}"):
+        make_llm(path, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
 
 
 def test_config_from_json_and_dict():

@@ -790,9 +790,16 @@ def _resolve_max_model_len(args: EngineArgs, config, pool_tokens: int) -> int:
 
 
 def _drafter(spec, model, model_path: Path, dtype: torch.dtype):
-    """The DSpark drafter `spec` names (None for other methods); a ConfigError for MTP drafting without MTP layers."""
+    """The DSpark drafter `spec` names, by default the one beside the model (MODEL/dspark); None for other methods.
+    A ConfigError for MTP drafting without MTP layers, or a DSpark drafter that is not there."""
     if spec is not None and spec.method == "mtp" and not model.mtp_available:
         raise ConfigError(f"speculative_config method 'mtp': {model_path} has no MTP layers "
                           f"(num_nextn_predict_layers is {model.config.num_nextn_predict_layers})")
-    return load_drafter(spec.model, model.config, dtype) if spec is not None and spec.method == "dspark" else None
+    if spec is None or spec.method != "dspark":
+        return None
+    path = Path(spec.model) if spec.model else model_path / "dspark"
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"speculative_config method 'dspark': no drafter at {path} (name its folder as "
+                          f"speculative_config.model, or ship one beside the model as MODEL/dspark)")
+    return load_drafter(path, model.config, dtype)
 

@@ -16,7 +16,8 @@ class SpeculativeConfig:
     """How drafts are proposed and how many a request may verify per step.
 
     `method`: "suffix" (model-free: the request's own prompt and output and recent responses), "mtp" (the
-    checkpoint's first MTP layer, chained for k > 1) or "dspark" (the DSpark drafter folder at `model`; drafts at
+    checkpoint's first MTP layer, chained for k > 1) or "dspark" (the DSpark drafter folder at `model`, by default
+    the one shipped beside the target, its folder's `dspark/`; drafts at
     most its block size per step). `num_speculative_tokens`: the most
     drafts one request verifies in a step (the suffix proposer drafts fewer when its match is short). The
     `suffix_decoding_*` knobs are vLLM's names for the suffix proposer (max_tree_depth: the longest suffix matched;
@@ -37,8 +38,6 @@ class SpeculativeConfig:
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
             raise ConfigError(f"speculative_config.num_speculative_tokens must be an integer in [1, 64], got "
                               f"{self.num_speculative_tokens!r}")
-        if self.method == "dspark" and not self.model:
-            raise ConfigError("speculative_config.model must name the DSpark drafter's folder for method 'dspark'")
         if self.method != "dspark" and self.model is not None:
             raise ConfigError(f"speculative_config.model: method {self.method!r} takes no drafter checkpoint")
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
