@@ -202,13 +202,16 @@ def test_checkpoint_without_mtp_warns_and_partial_mtp_fails(make_checkpoint, tmp
     assert full.mtp_available and len(full.mtp) == 1
 
 
-def test_k3_loader_skips_vision_tensors_with_a_warning(make_checkpoint, tmp_path, caplog):
+def test_k3_text_loader_leaves_vision_tensors_to_the_vision_loader(make_checkpoint, tmp_path):
+    """The text model loads as without them; the vision loader (models/vision.py) finds the tower incomplete."""
+    from deltaserve.models.vision import load_vision
+
     path = _copy(make_checkpoint("k3-tiny"), tmp_path / "v")
-    _edit_tensors(path, lambda t: t.update({"vision_tower.patch_embed.proj.weight": torch.zeros(8, 3, 14, 14),
+    _edit_tensors(path, lambda t: t.update({"vision_tower.patch_embed.proj.weight": torch.zeros(1024, 3, 14, 14),
                                             "mm_projector.proj.0.weight": torch.zeros(4, 4)}))
-    with caplog.at_level(logging.WARNING):
-        model = deltaserve.load_model(path)
-    assert "skipping 2 vision tensors" in caplog.text
+    model = deltaserve.load_model(path)
+    with pytest.raises(CheckpointError, match="vision tensor"):
+        load_vision(path)
     ids = torch.arange(10)
     assert torch.equal(model.reference_logits(ids), deltaserve.load_model(make_checkpoint("k3-tiny")).reference_logits(ids))
 

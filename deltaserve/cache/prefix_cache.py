@@ -31,6 +31,7 @@ class Request(Protocol):
     engine and names only these fields."""
 
     cache_salt: str | None
+    images: list  # (first pad position, pad count, image with a `digest`), in prompt order
     block_ids: list[int]
     block_hashes: list[bytes]
     state_slot: int | None
@@ -72,7 +73,9 @@ class PrefixCache:
         prev = hashes[-1] if hashes else self._root(req.cache_salt)
         for j in range(len(hashes), req.num_tokens // B):
             block = req.token_slice(j * B, (j + 1) * B)
-            prev = hashlib.sha256(prev + b"".join(t.to_bytes(4, "little") for t in block)).digest()
+            # a page holding an image's pad positions holds that image: equal pads of two images must not match
+            seen = "".join(image.digest for start, n, image in req.images if start < (j + 1) * B and start + n > j * B)
+            prev = hashlib.sha256(prev + b"".join(t.to_bytes(4, "little") for t in block) + seen.encode()).digest()
             hashes.append(prev)
         return hashes
 

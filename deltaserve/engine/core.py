@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,8 @@ from ..layers.batch import DraftSlot
 from ..backends.select import select_backend
 from ..spec_decode import DraftRequest, SpecDecodeStats, TargetStep, build_proposer
 from ..models.dspark import load_drafter
+from ..models.vision import load_vision
+from ..vision import MediaConfig, ProcessedImage
 from ..models.loader import DTYPES, load_config, load_model
 from ..tokenizer import load_tokenizer
 from .config import EngineArgs, resolve_dtype
@@ -51,6 +53,7 @@ from .summary import EngineSummary, layer_mix, quantization_text, weight_bytes, 
 log = logging.getLogger(__name__)
 
 TRANSFER_WAIT_S = 0.05  # how long an idle step waits for a transfer to end before returning
+MAX_CACHED_IMAGES = 64  # image features kept for reuse (a step's images are never evicted by it)
 
 
 class EngineBrokenError(DeltaserveError, RuntimeError):
@@ -143,9 +146,14 @@ class EngineCore:
         # Used by `bench quant` to compare distributions; None costs nothing.
         self.logits_observer: Callable[[list[Request], torch.Tensor], None] | None = None
         self.faults = FaultInjector.parse(args.fault_injection)
+        # the vision tower (docs/vision.md), on one process; each image's features, by content, least recent first
+        self.vision = load_vision(model_path, DTYPES[self.dtype.name]) if self.workers is None else None
+        self.media = MediaConfig.load(model_path) if self.vision is not None else None
+        self.image_features: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.runner = ModelRunner(self.model, cache, self.backend, self.timer, self.faults,
                                   keep_hidden=self.proposer is not None and self.proposer.reads_hidden,
-                                  send_step=self.workers.send_step if self.workers is not None else None)
+                                  send_step=self.workers.send_step if self.workers is not None else None,
+                                  image_features=self.image_features)
         self._pending_copies: list[tuple[int, int]] = []  # (source, destination) pages of this step's forks
         self._requests: dict[str, list[Request]] = {}
         self._n: dict[str, tuple[SamplingParams, int, str | None]] = {}  # params, max_tokens, grammar text
@@ -172,7 +180,8 @@ class EngineCore:
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, client: str | None = None) -> None:
+                    cache_salt: str | None = None, client: str | None = None,
+                    images: list[ProcessedImage] | None = None) -> None:
         """Validate token ids against the model and queue. Raises InvalidRequestError; nothing is allocated then.
         `client` is the scheduler's fairness key (default: the request id); all n completions share it."""
         if request_id in self._requests:
@@ -190,11 +199,13 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         kv = params.kv_transfer_params or {}
         pull = self._check_kv_transfer(kv, params, prompt_ids)
+        spans = self._image_spans(prompt_ids, images or [], kv)
         remote_decode = len(prompt_ids) - 1 if kv.get("do_remote_decode") else None
         if remote_decode is not None:  # all but the last prompt token, and a token nobody reads: the decode
             prompt_ids, max_tokens = prompt_ids[:-1] or prompt_ids, 1  # instance computes the last one itself
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         first = self._new_request(request_id, list(prompt_ids), params, max_tokens, 0, grammar)
+        first.images = spans
         first.cache_salt = cache_salt
         first.client = request_id if client is None else client
         first.siblings_pending = params.n - 1
@@ -207,6 +218,32 @@ class EngineCore:
             self.kv_consumer.pull(request_id, kv, len(cached))
         else:
             self.scheduler.add(first)
+
+    def _image_spans(self, prompt_ids: list[int], images: list[ProcessedImage], kv: dict) -> list:
+        """(first pad position, pad count, image) of each image: the k-th run of media pad tokens in the prompt is
+        the k-th image's and must be exactly its length (InvalidRequestError otherwise)."""
+        if self.vision is None:
+            if images:
+                why = "runs on several ranks" if self.workers is not None else "has no vision tower"
+                raise InvalidRequestError("images", f"this engine {why}: it takes no images")
+            return []
+        if images and kv:
+            raise InvalidRequestError("kv_transfer_params", "prefill/decode disaggregation does not take images yet")
+        pad = self.config.media_placeholder_token_id
+        runs, i = [], 0
+        while i < len(prompt_ids):
+            if prompt_ids[i] == pad:
+                j = i
+                while j < len(prompt_ids) and prompt_ids[j] == pad:
+                    j += 1
+                runs.append((i, j - i))
+                i = j
+            else:
+                i += 1
+        if [n for _, n in runs] != [image.num_tokens for image in images]:
+            raise InvalidRequestError("prompt", f"the prompt's image pad runs {[n for _, n in runs]} do not match the "
+                                                f"images' positions {[image.num_tokens for image in images]}")
+        return [(start, n, image) for (start, n), image in zip(runs, images)]
 
     def _check_kv_transfer(self, kv: dict, params: SamplingParams, prompt_ids: list[int]) -> bool:
         """Whether this instance can take a request's kv_transfer_params (InvalidRequestError if not); True when its
@@ -383,8 +420,31 @@ class EngineCore:
                     self._fail(req.request_id, "schedule", exc)
         return self._without_failed(plan)
 
+    def _encode_images(self, plan: StepPlan) -> None:
+        """Features for every image a chunk of this step reaches, the missing ones encoded in one tower call;
+        the cache keeps the most recent MAX_CACHED_IMAGES."""
+        needed: dict[str, ProcessedImage] = {}
+        for req, n in plan.chunks:
+            start = req.num_computed_tokens
+            for first, count, image in req.images:
+                if first < start + n and first + count > start:
+                    if image.digest in self.image_features:
+                        self.image_features.move_to_end(image.digest)
+                    else:
+                        needed[image.digest] = image
+        if needed:
+            images = list(needed.values())
+            with self.timer.phase("vision"):
+                features = self.vision.encode(torch.cat([i.pixel_values for i in images]), [i.grid for i in images])
+            for image, rows in zip(images, features.split([i.num_tokens for i in images])):
+                self.image_features[image.digest] = rows
+        while len(self.image_features) > MAX_CACHED_IMAGES:
+            self.image_features.popitem(last=False)
+
     def _run(self, plan: StepPlan) -> list[CoreOutput]:
         timer = self.timer
+        if self.vision is not None:
+            self._encode_images(plan)
         while True:
             try:
                 fwd = self.runner.forward(plan)
@@ -660,6 +720,7 @@ class EngineCore:
         req.siblings_pending -= 1
         child = self._new_request(req.request_id, req.prompt_ids, params, max_tokens,
                                   params.n - 1 - req.siblings_pending, grammar)
+        child.images = req.images
         child.cache_salt, child.client = req.cache_salt, req.client
         self._requests[req.request_id].append(child)
         return child

@@ -17,7 +17,7 @@ from .outputs import RequestOutput
 from .representable import COUNT_MAX, is_utf8
 from .sampling_params import InvalidRequestError, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # a dict: vLLM's {"prompt" or "prompt_token_ids", "multi_modal_data": {"image"}}
 
 
 def _is_token_id(value: Any) -> bool:
@@ -29,14 +29,21 @@ def _prompt_list(prompts: Any) -> list[Prompt]:
 
     Raises InvalidRequestError (field "prompt") for anything else: a dict, a prompt of floats, bools or digit
     strings, a string that is not valid UTF-8. Vocabulary and length are the engine's checks."""
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and not isinstance(prompts[0], (str, list, tuple))):
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and not isinstance(prompts[0], (str, list, tuple, dict))):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise InvalidRequestError("prompt", "prompts must be a string, a list of token ids (ints >= 0), or a list "
                                             f"of those, got {type(prompts).__name__}")
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+            media = prompt.get("multi_modal_data") or {}
+            if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt) or set(media) - {"image"}:
+                raise InvalidRequestError("prompt", f"prompt {i}: a dict prompt takes 'prompt' or 'prompt_token_ids' "
+                                                    f"and optionally multi_modal_data {{'image': ...}}")
+            _prompt_list([prompt.get("prompt", prompt.get("prompt_token_ids"))])
+        elif isinstance(prompt, str):
             if not is_utf8(prompt):
                 raise InvalidRequestError("prompt", f"prompt {i} is not valid UTF-8 (it holds a lone surrogate)")
         elif not (isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt)):
@@ -70,7 +77,9 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for one prompt or a batch (strings or token-id lists); outputs come back in input order.
+        """Generate for one prompt or a batch (strings, token-id lists, or vLLM's dicts: {"prompt": text holding one
+        `<|kimi_image_placeholder|>` per image, "multi_modal_data": {"image": [bytes or Pillow images]}}); outputs
+        come back in input order.
         Every request is validated before any is queued, so a bad one leaves the engine untouched; malformed
         prompts and params raise InvalidRequestError. The batch is one client to the scheduler, so its prompts are
         admitted in order (FCFS). If the engine fails a request, the others still run to the end and
@@ -80,7 +89,12 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p, client=ids[0])
+                images = None
+                if isinstance(prompt, dict):
+                    images = (prompt.get("multi_modal_data") or {}).get("image")
+                    images = images if isinstance(images, (list, tuple)) or images is None else [images]
+                    prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+                self.engine.add_request(rid, prompt, p, client=ids[0], images=images)
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

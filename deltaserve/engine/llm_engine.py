@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..tokenizer import load_tokenizer
+from ..vision import ImageError, ProcessedImage, expand_prompt, preprocess
 from .config import EngineArgs
 from .core import EngineCore
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import InvalidRequestError, SamplingParams
 
 
 class LLMEngine:
@@ -42,15 +43,39 @@ class LLMEngine:
         self.core.eos_ids = self.processor.eos_ids = set(ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None, client: str | None = None) -> None:
+                    cache_salt: str | None = None, client: str | None = None, images: list | None = None) -> None:
         """Tokenise and queue. Raises InvalidRequestError naming the problem; nothing is allocated then.
         Requests with different `cache_salt` never share prefix-cache pages. The scheduler shares the engine
-        fairly between `client` keys (default: each request its own)."""
+        fairly between `client` keys (default: each request its own). `images` (encoded bytes or Pillow images)
+        go where a text prompt holds `<|kimi_image_placeholder|>`, one each, in order (a token-id prompt holds
+        their expanded runs already; docs/vision.md)."""
         params = params or SamplingParams()
-        # special spellings become their ids, as the server's completions and a Hugging Face tokenizer encode them
-        ids = self.tokenizer.encode(prompt, allow_special=True) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self.core.add_request(request_id, ids, params, cache_salt, client)
+        processed = self._images(images or [])
+        if processed and isinstance(prompt, str):
+            try:
+                ids = expand_prompt(prompt, processed, self.tokenizer)
+            except ImageError as exc:
+                raise InvalidRequestError("prompt", str(exc)) from None
+        elif isinstance(prompt, str):
+            # special spellings become their ids, as the server's completions and a Hugging Face tokenizer encode them
+            ids = self.tokenizer.encode(prompt, allow_special=True)
+        else:
+            ids = [int(t) for t in prompt]
+        self.core.add_request(request_id, ids, params, cache_salt, client, processed)
         self.processor.add(request_id, prompt if isinstance(prompt, str) else None, ids, params)
+
+    def _images(self, images: list) -> list[ProcessedImage]:
+        if not images:
+            return []
+        if self.core.media is None:
+            raise InvalidRequestError("images", "this engine takes no images (no vision tower, or several ranks)")
+        out = []
+        for i, image in enumerate(images):
+            try:
+                out.append(preprocess(image, self.core.media))
+            except ImageError as exc:
+                raise InvalidRequestError("images", f"image {i}: {exc}") from None
+        return out
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort(request_id)

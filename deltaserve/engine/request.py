@@ -61,6 +61,9 @@ class Request:
     # request finishes (its prompt is the client's less the last token, which the decode instance computes); None
     # for a request of its own.
     remote_decode_tokens: int | None = None
+    # Images in the prompt, in order: (first pad position, pad count, the processed image); each image's features
+    # take its pad positions (docs/vision.md)
+    images: list = field(default_factory=list)
     # With params.prompt_logprobs (first completion only): the report of each prompt token computed so far, None
     # for the first token; filled chunk by chunk and sent with the first output token.
     prompt_logprobs: list | None = None

@@ -12,7 +12,8 @@ can drop that request and run the others); a failure inside the model call belon
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -57,12 +58,14 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, cache: PagedCache, backend: Backend, timer: StepTimer | None = None,
                  faults: FaultInjector | None = None, keep_hidden: bool = False,
-                 send_step: Callable[[StepLayout], None] | None = None):
+                 send_step: Callable[[StepLayout], None] | None = None,
+                 image_features: Mapping[str, torch.Tensor] | None = None):
         self.model, self.cache, self.backend, self.ops = model, cache, backend, backend.ops
         self.keep_hidden = keep_hidden  # a drafter reads the target's states (spec_decode: reads_hidden)
         self.timer = timer or StepTimer()
         self.faults = faults
         self.send_step = send_step
+        self.image_features = image_features  # an image's features by digest (filled by the engine before a step)
         self.device = next(model.parameters()).device
 
     def layout(self, plan: StepPlan) -> tuple[StepLayout, list[Request], list[int], list[PromptRows]]:
@@ -131,6 +134,7 @@ class ModelRunner:
             if self.send_step is not None:
                 self.send_step(layout)
             ids, batch = self.batch_of(layout)
+            batch.input_embeds = self._image_rows(plan, layout)
         with self.timer.phase("model"):
             h = self.backend.forward(self.model, ids, batch)
             if self.faults is not None:
@@ -140,6 +144,19 @@ class ModelRunner:
         with self.timer.phase("sample"):
             return ForwardOutput(sampled, logits, [(p.request, self._score(h, p)) for p in scored], num_rows,
                                  h if self.keep_hidden else None, layout.sample_rows)
+
+    def _image_rows(self, plan: StepPlan, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, features) of the step's rows that are image pad positions: each chunk takes the slice of each
+        image's features its positions reach (a chunk may start or end inside a pad run)."""
+        rows, values = [], []
+        for (req, n), first_row in zip(plan.chunks, layout.query_start):
+            start = req.num_computed_tokens
+            for first, count, image in req.images:
+                lo, hi = max(first, start), min(first + count, start + n)
+                if lo < hi:
+                    rows.append(torch.arange(first_row + lo - start, first_row + hi - start))
+                    values.append(self.image_features[image.digest][lo - first:hi - first])
+        return (torch.cat(rows), torch.cat(values)) if rows else None
 
     def _score(self, h: torch.Tensor, rows: PromptRows) -> list[TokenLogprobs]:
         num_top = rows.request.params.prompt_logprobs

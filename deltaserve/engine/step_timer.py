@@ -2,6 +2,7 @@
 
 Phases (seconds, summed over steps since the timer was made or reset):
   schedule    the scheduler's plan (admission, chunking, preemption, prefix-cache lookups)
+  vision      the vision tower encoding the step's new images (0 without images)
   prepare     building the StepBatch: ids, positions, page rows, DSA metadata
   model       the model forward and the logits of the sampled rows
   sample      penalties, sampling, logprobs
@@ -9,7 +10,7 @@ Phases (seconds, summed over steps since the timer was made or reset):
   propose     speculative decoding's proposer: its own cache rows and the next drafts (0 without one)
   detokenize  the OutputProcessor (incremental detokenisation, stop strings), when an LLMEngine drives the core
 
-`overhead_share` is everything but `model` over the total: issue 10's "share of a step outside model math".
+`overhead_share` is everything but `model` and `vision` over the total: the share of a step outside model math.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "prepare", "model", "sample", "update", "propose", "detokenize")
+PHASES = ("schedule", "vision", "prepare", "model", "sample", "update", "propose", "detokenize")
 
 
 @dataclass
@@ -41,7 +42,7 @@ class StepTimer:
     @property
     def overhead_share(self) -> float:
         total = self.total_s
-        return (total - self.seconds["model"]) / total if total > 0 else 0.0
+        return (total - self.seconds["model"] - self.seconds["vision"]) / total if total > 0 else 0.0
 
     def reset(self) -> None:
         self.steps = 0

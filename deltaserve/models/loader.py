@@ -246,10 +246,7 @@ def _plan(config: ModelConfig, shapes: dict, params: dict) -> tuple[dict, set[in
             mtp_seen.add(int(canon.split(".")[1]) - config.num_layers)
         if tgts:
             plan[name] = tgts
-    vision = [n for n in shapes if n.startswith(("vision_tower.", "mm_projector."))]
-    if vision:
-        log.warning("skipping %d vision tensors: vision input is not supported yet", len(vision))
-    return plan, mtp_seen
+    return plan, mtp_seen  # the vision tower's tensors are models/vision.py's (load_vision)
 
 
 def _check_coverage(config: ModelConfig, model: CausalLM, params: dict, plan: dict, mtp_seen: set[int]) -> None:

@@ -74,7 +74,7 @@ class ProcessedImage:
     grid: tuple[int, int, int]  # (t, gh, gw)
     num_tokens: int  # placeholder positions: gh·gw / merge²
     size: tuple[int, int]  # the uploaded (width, height)
-    digest: str  # sha256 of the uploaded bytes: the encoder cache's and the prefix cache's key
+    digest: str  # sha256 of the uploaded bytes (of a Pillow image's pixels): the encoder and prefix caches' key
 
 
 def navit_size(width: int, height: int, c: MediaConfig) -> tuple[int, int]:
@@ -112,9 +112,15 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Imag
     return image
 
 
-def preprocess(data: bytes, c: MediaConfig, limits: ImageLimits = ImageLimits()) -> ProcessedImage:
-    """Decode, convert, resize, pad, normalise and patchify one uploaded image."""
-    image = decode_image(data, limits)
+def preprocess(data: "bytes | Image.Image", c: MediaConfig, limits: ImageLimits = ImageLimits()) -> ProcessedImage:
+    """Decode (bytes; a Pillow image is taken as it is), convert, resize, pad, normalise and patchify one image."""
+    if isinstance(data, Image.Image):
+        image = data
+        if image.width * image.height > limits.max_pixels:
+            raise ImageError(f"the image is {image.width}x{image.height} pixels; the limit is {limits.max_pixels}")
+        digest = hashlib.sha256(f"{image.mode}|{image.size}|".encode() + image.tobytes()).hexdigest()
+    else:
+        image, digest = decode_image(data, limits), hashlib.sha256(data).hexdigest()
     width, height = image.size
     rgb = image.convert("RGB")
     new_w, new_h = navit_size(width, height, c)
@@ -128,8 +134,7 @@ def preprocess(data: bytes, c: MediaConfig, limits: ImageLimits = ImageLimits())
     x = (torch.from_numpy(pixels).float() / 255 - mean) / std  # [H, W, 3]
     patches = x.view(gh, p, gw, p, 3).permute(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p)
     tokens = c.fixed_output_tokens or gh * gw // c.merge_kernel_size ** 2
-    return ProcessedImage(patches.contiguous(), (1, gh, gw), tokens, (width, height),
-                          hashlib.sha256(data).hexdigest())
+    return ProcessedImage(patches.contiguous(), (1, gh, gw), tokens, (width, height), digest)
 
 
 def placeholder_text(image: ProcessedImage) -> str:
@@ -141,3 +146,28 @@ def expand_placeholder(image: ProcessedImage, begin: int, content: int, pad: int
     """The token ids one image's placeholder becomes: begin, the size text (`encode`d as ordinary text), content,
     `num_tokens` pads (the positions the projector's outputs replace), end."""
     return [begin, *encode(placeholder_text(image)), content, *[pad] * image.num_tokens, end]
+
+
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # the chat renderer's one marker per image (docs/vision.md §6)
+MEDIA_MARKERS = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>")
+
+
+def expand_prompt(text: str, images: list[ProcessedImage], tokenizer) -> list[int]:
+    """The token ids of a text prompt holding one IMAGE_PLACEHOLDER per image, in order: the text around them
+    encoded as the engine encodes prompts, each placeholder replaced by its image's run (`expand_placeholder`).
+    ImageError when the counts differ or the tokenizer lacks a media marker."""
+    parts = text.split(IMAGE_PLACEHOLDER)
+    if len(parts) - 1 != len(images):
+        raise ImageError(f"the prompt has {len(parts) - 1} image placeholders ({IMAGE_PLACEHOLDER}) for "
+                         f"{len(images)} images")
+    markers = []
+    for marker in MEDIA_MARKERS:
+        ids = tokenizer.encode(marker, allow_special=True)
+        if len(ids) != 1:
+            raise ImageError(f"the tokenizer has no special token {marker}: this model does not take images")
+        markers += ids
+    out = tokenizer.encode(parts[0], allow_special=True)
+    for image, part in zip(images, parts[1:]):
+        out += expand_placeholder(image, *markers, tokenizer.encode)
+        out += tokenizer.encode(part, allow_special=True)
+    return out
