@@ -327,11 +327,20 @@ def test_response_format(tok, config):
 
 
 # ----------------------------------------------------------------------------------------------- errors
-def test_image_part_is_rejected_by_name(tok, config):
+def test_image_and_unknown_parts_are_rejected_by_name(tok, config):
+    """An image part needs a renderer given `image_ids` (a model with a vision tower); another kind of part is named.
+    With `image_ids` the image's ids go in place, between the text parts' ids."""
     msg = {"role": "user", "content": [{"type": "text", "text": "see"},
                                        {"type": "image_url", "image_url": {"url": "data:"}}]}
-    with pytest.raises(ChatError, match=r"part 1 \(type 'image_url'\)"):
+    with pytest.raises(ChatError, match="this model takes no images"):
         render_chat(tok, config, [msg])
+    with pytest.raises(ChatError, match=r"part 1 \(type 'audio_url'\)"):
+        render_chat(tok, config, [{"role": "user", "content": [{"type": "text", "text": "hear"},
+                                                               {"type": "audio_url", "audio_url": {"url": "x"}}]}])
+    with_image = render_chat(tok, config, [msg], image_ids=lambda part: [7, 7, 7])
+    plain = render_chat(tok, config, [{"role": "user", "content": "see"}])
+    i = with_image.index(7)
+    assert with_image[:i] == plain[:i] and with_image[i:i + 3] == [7, 7, 7] and with_image[i + 3:] == plain[i:]
     with pytest.raises(ChatError, match="role"):
         render_chat(tok, config, [{"role": "robot", "content": "x"}])
     with pytest.raises(ChatError, match="empty"):

@@ -80,3 +80,29 @@ def test_requests_with_images_the_engine_cannot_take_are_refused(make_checkpoint
         with pytest.raises(InvalidRequestError, match=needle):
             llm.generate(prompt, greedy(2), use_tqdm=False)
     assert_pools_free(vision.engine)
+
+
+def test_chat_image_parts_render_as_their_runs(make_checkpoint):
+    """`LLM.chat` with an image_url data-URL part: the rendered prompt holds the image's run in the part's place
+    and decodes as the same ids with the image given to `generate`; bad parts are refused naming why."""
+    import base64
+
+    llm = make_llm(make_checkpoint("k3-tiny-vision"))
+    red = _png((200, 30, 30))
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(red).decode()}}
+    chat = [{"role": "user", "content": [{"type": "text", "text": "what is this? "}, part,
+                                         {"type": "text", "text": " tell me"}]}]
+    out = llm.chat(chat, greedy(6), use_tqdm=False)[0]
+    pad = llm.engine.core.config.media_placeholder_token_id
+    assert out.prompt_token_ids.count(pad) == 12  # 90 x 70 pads to 112 x 84: 8 x 6 patches, 2 x 2 merged
+    direct = llm.generate({"prompt_token_ids": out.prompt_token_ids, "multi_modal_data": {"image": [red]}},
+                          greedy(6), use_tqdm=False)[0]
+    assert direct.outputs[0].token_ids == out.outputs[0].token_ids
+    for url, needle in [("https://example.com/cat.png", "remote image URLs are not fetched"),
+                        ("data:image/png;base64,@@@", "not valid base64"),
+                        ("file:///etc/passwd", "base64 data URL"),
+                        ("data:image/png;base64," + base64.b64encode(b"nope").decode(), "not a readable image")]:
+        bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+        with pytest.raises(InvalidRequestError, match=needle):
+            llm.chat(bad, greedy(2), use_tqdm=False)
+    assert_pools_free(llm.engine)

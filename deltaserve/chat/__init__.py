@@ -16,7 +16,7 @@ k3.py; the golden test of docs/chat.md §2 (ids from the checkpoint's own encode
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import ModelConfig
@@ -42,7 +42,8 @@ def thinks_by_default(tok: Tokenizer, config: ModelConfig) -> bool:
 def render_chat(tok: Tokenizer, config: ModelConfig, messages: list[dict], add_generation_prompt: bool = True,
                 thinking: bool = True, tools: list[dict] | None = None, tool_choice: Any = None,
                 response_format: Any = None, thinking_effort: str | None = None,
-                continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None,
+                image_ids: Callable[[Mapping], list[int]] | None = None) -> list[int]:
     """Token ids of a conversation in the checkpoint's chat format, ending with the generation prompt.
 
     K3: `tool_choice` is "auto"/None (nothing), "required", "none" or a named-function object (rendered as nothing,
@@ -51,13 +52,14 @@ def render_chat(tok: Tokenizer, config: ModelConfig, messages: list[dict], add_g
     K2 family: the Jinja template gets `tools`, `thinking` and `template_kwargs`; `tool_choice`, `response_format`
     and `thinking_effort` have no K2 rendering and are ignored. Both: `continue_final_message` ends the prompt right
     after the final (assistant) message's content instead of closing it; `add_generation_prompt` must then be false.
-    No text of `messages`, `tools` or `template_kwargs` ever becomes a special id.
+    No text of `messages`, `tools` or `template_kwargs` ever becomes a special id. K3 user messages may hold image
+    parts, rendered as the ids `image_ids` gives for each (its media run); the template family takes none.
     """
     if not messages:
         raise ChatError("messages must not be empty")
     if config.family == "kimi_k3":
         return render_k3(tok, messages, add_generation_prompt, thinking, tools=tools, tool_choice=tool_choice,
                          response_format=response_format, thinking_effort=thinking_effort,
-                         continue_final_message=continue_final_message)
+                         continue_final_message=continue_final_message, image_ids=image_ids)
     return render_template(tok, messages, add_generation_prompt, tools=tools, thinking=thinking,
                            continue_final_message=continue_final_message, template_kwargs=template_kwargs)

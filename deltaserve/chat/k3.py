@@ -10,11 +10,11 @@ the golden test of docs/chat.md §2 (ids from the checkpoint's own encoder) is t
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..tokenizer import Tokenizer
-from .base import _ROLES, ChatError, message_text
+from .base import _ROLES, ChatError, message_parts, message_text
 
 
 THINKING_EFFORTS = ("low", "medium", "high", "max")
@@ -142,6 +142,12 @@ class _Ids:
             raise ChatError(f"the tokenizer has no special token {name}")
         self._flush()
         self._ids.append(tid)
+        return self
+
+    def raw(self, ids: list[int]) -> "_Ids":
+        """Ids given as they are (an image's media run)."""
+        self._flush()
+        self._ids.extend(ids)
         return self
 
     def text(self, s: str) -> "_Ids":
@@ -285,8 +291,12 @@ def _response_schema(response_format: Mapping) -> Any:
 
 def render_k3(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True, thinking: bool = True,
               tools: list[dict] | None = None, tool_choice: Any = None, response_format: Any = None,
-              thinking_effort: str | None = None, continue_final_message: bool = False) -> list[int]:
+              thinking_effort: str | None = None, continue_final_message: bool = False,
+              image_ids: Callable[[Mapping], list[int]] | None = None) -> list[int]:
     """Token ids of a K3 XTML prompt (docs/chat.md §3.2–3.3).
+
+    An image part of a user message becomes the ids `image_ids` gives for it (its media run, docs/vision.md §6), in
+    place; without `image_ids` an image part is a ChatError.
 
     With `continue_final_message` (the last message must be an assistant message, `add_generation_prompt` false)
     the prompt ends right after that message's response text: its closing markers, tool calls and everything the
@@ -344,7 +354,13 @@ def render_k3(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool 
             if m.get("tool_calls"):  # an empty list is dropped
                 _tool_calls(out, m["tool_calls"])
         else:
-            out.text(message_text(m))
+            for piece in message_parts(m):
+                if isinstance(piece, str):
+                    out.text(piece)
+                elif image_ids is None:
+                    raise ChatError("the conversation holds an image: this model takes no images")
+                else:
+                    out.raw(image_ids(piece))
         out.end_message()
     # 4. tool_choice
     if tool_choice is not None and tool_choice != "auto":

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from ..chat import render_chat
 from ..errors import RequestFailedError
+from ..vision import IMAGE_PLACEHOLDER, ImageError, expand_prompt, image_part_data, preprocess
 from .config import EngineArgs
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -115,8 +116,25 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat format, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [render_chat(self.tokenizer, self.engine.config, conv) for conv in conversations]
+        prompts = []
+        for conv in conversations:
+            images: list = []
+            ids = render_chat(self.tokenizer, self.engine.config, conv,
+                              image_ids=self._image_run(images) if self.engine.core.media is not None else None)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _image_run(self, images: list):
+        """The renderer's `image_ids`: an image part's data decoded and processed (appended to `images`), and its
+        media run's ids."""
+        def run(part) -> list[int]:
+            try:
+                image = preprocess(image_part_data(part), self.engine.core.media)
+                images.append(image)
+                return expand_prompt(IMAGE_PLACEHOLDER, [image], self.tokenizer)
+            except ImageError as exc:
+                raise InvalidRequestError("messages", f"image {len(images)}: {exc}") from None
+        return run
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -71,6 +71,9 @@ class LLMEngine:
             raise InvalidRequestError("images", "this engine takes no images (no vision tower, or several ranks)")
         out = []
         for i, image in enumerate(images):
+            if isinstance(image, ProcessedImage):  # processed already (a chat's image parts)
+                out.append(image)
+                continue
             try:
                 out.append(preprocess(image, self.core.media))
             except ImageError as exc:

@@ -10,6 +10,8 @@ The constants come from the checkpoint's preprocessor_config.json (`media_proc_c
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 import json
@@ -171,3 +173,25 @@ def expand_prompt(text: str, images: list[ProcessedImage], tokenizer) -> list[in
         out += expand_placeholder(image, *markers, tokenizer.encode)
         out += tokenizer.encode(part, allow_special=True)
     return out
+
+
+def image_part_data(part, max_bytes: int = ImageLimits.max_bytes) -> bytes:
+    """The bytes of an OpenAI image content part whose URL is a base64 data URL (`{"type": "image_url",
+    "image_url": {"url": "data:image/png;base64,..."}}`); ImageError naming why not. Remote URLs are refused: a
+    server that fetches them is a server any client can point at any address."""
+    url = part.get("image_url") if part.get("type") == "image_url" else part.get("image")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise ImageError("the image part has no URL (image_url.url)")
+    if url.startswith(("http://", "https://")):
+        raise ImageError("remote image URLs are not fetched; send the image as a data URL "
+                         "(data:image/png;base64,...)")
+    head, sep, body = url.partition(",")
+    if not (sep and head.startswith("data:") and head.endswith(";base64")):
+        raise ImageError("the image URL must be a base64 data URL (data:image/...;base64,...)")
+    if len(body) > 4 * (max_bytes // 3 + 1):
+        raise ImageError(f"the image's data URL holds more than {max_bytes} bytes")
+    try:
+        return base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageError(f"the image's data URL is not valid base64 ({exc})") from None
