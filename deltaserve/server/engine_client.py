@@ -43,7 +43,7 @@ from ..errors import DeltaserveError, RequestFailedError
 from ..tokenizer import Tokenizer
 from .engine_proc import run_engine_core
 from .messages import (AbortRequest, AddFailed, AddRequest, Probe, ProbeResult, Ready, RequestFailed, Shutdown,
-                       StepOutputs, decode, encode, output_from_dict, params_to_dict)
+                       StepOutputs, decode, encode, image_to_dict, output_from_dict, params_to_dict)
 
 log = logging.getLogger(__name__)
 _WATCH_INTERVAL_S = 0.1
@@ -163,7 +163,8 @@ class EngineClient:
         return len(self._queues)
 
     async def generate(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, client: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, client: str | None = None,
+                       images: list | None = None) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs until finished. Raises InvalidRequestError (rejected by the core),
         RequestFailedError (failed in the engine) or EngineDeadError. Leaving the iteration early (client
         disconnect) aborts the request in the core. `client` is the core scheduler's fairness key (default: the
@@ -176,7 +177,8 @@ class EngineClient:
         processor.add(request_id, prompt, prompt_ids, params)
         finished = False
         try:
-            await self._send(AddRequest(request_id, prompt_ids, params_to_dict(params), cache_salt, client))
+            await self._send(AddRequest(request_id, prompt_ids, params_to_dict(params), cache_salt, client,
+                                        [image_to_dict(i) for i in images or []]))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -19,7 +19,7 @@ from ..engine.config import EngineArgs
 from ..engine.core import EngineCore
 from ..engine.sampling_params import InvalidRequestError
 from .messages import (AbortRequest, AddFailed, AddRequest, Probe, ProbeResult, Ready, RequestFailed, Shutdown,
-                       StepOutputs, decode, encode, output_to_dict, params_from_dict)
+                       StepOutputs, decode, encode, image_from_dict, output_to_dict, params_from_dict)
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 100
@@ -106,7 +106,7 @@ def _handle(core: EngineCore, msg, outbox) -> None:
     if isinstance(msg, AddRequest):
         try:
             core.add_request(msg.request_id, msg.prompt_ids, params_from_dict(msg.params), msg.cache_salt,
-                             msg.client)
+                             msg.client, [image_from_dict(d) for d in msg.images])
         except InvalidRequestError as e:
             outbox.send(encode(AddFailed(msg.request_id, e.field, str(e))))
         except (TypeError, ValueError) as e:

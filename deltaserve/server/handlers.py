@@ -20,6 +20,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from ..errors import RequestFailedError
 from ..tokenizer import Tokenizer
+from ..vision import IMAGE_PLACEHOLDER, ImageError, MediaConfig, ProcessedImage, expand_prompt, image_part_data, preprocess
 from .access_log import current_record
 from .engine_client import EngineClient, EngineDeadError
 from .limits import RequestLimits, SequenceQueue
@@ -46,9 +47,12 @@ class ServerState:
     queue: SequenceQueue = field(init=False)  # sequences admitted and unfinished, bounded by max_queue_len
     default_thinking: bool = field(init=False)  # whether a chat request that says nothing about thinking thinks
     grammars: Grammars = field(init=False)  # checks structured-output constraints before they are queued
+    media: MediaConfig | None = field(init=False)  # the image processor's constants, for a model that takes images
 
     def __post_init__(self) -> None:
         self.queue = SequenceQueue(self.max_queue_len)
+        has_media = (self.model_path / "preprocessor_config.json").is_file()
+        self.media = MediaConfig.load(self.model_path) if has_media else None
         self.grammars = Grammars(self.tokenizer, self.config.vocab_size,
                                  self.tokenizer.stop_token_ids(self.config.eos_token_ids))
         self.default_thinking = thinks_by_default(self.tokenizer, self.config)
@@ -93,18 +97,34 @@ class ServerState:
                                              f"tokens; the prompt has {len(ids)} tokens and {params.max_tokens} "
                                              f"more were requested")
 
-    def render(self, req: ChatPromptOptions) -> tuple[list[int], bool]:
-        """(prompt ids, whether the output starts in the reasoning channel) of a chat: the one rendering chat
-        completions and /tokenize share, with the request's tools, tool_choice, response_format, thinking
+    def render(self, req: ChatPromptOptions) -> tuple[list[int], bool, list[ProcessedImage]]:
+        """(prompt ids, whether the output starts in the reasoning channel, its images) of a chat: the one rendering
+        chat completions and /tokenize share, with the request's tools, tool_choice, response_format, thinking
         switches, chat_template_kwargs and continue_final_message. A continued final message goes on in its
-        response text, so its output starts as content even with thinking on."""
+        response text, so its output starts as content even with thinking on. Image parts (base64 data URLs) are
+        decoded and processed here, each rendered as its media run; a bad one is a 400 naming it."""
         thinking, effort = req.thinking_settings(self.default_thinking)
+        images: list[ProcessedImage] = []
+
+        def image_ids(part) -> list[int]:
+            if len(images) == self.limits.max_images_per_request:
+                raise InvalidRequestError("messages", f"the request holds more than this server's limit of "
+                                                      f"{self.limits.max_images_per_request} images "
+                                                      f"(--max-images-per-request)")
+            try:
+                image = preprocess(image_part_data(part), self.media)
+                images.append(image)
+                return expand_prompt(IMAGE_PLACEHOLDER, [image], self.tokenizer)
+            except ImageError as exc:
+                raise InvalidRequestError("messages", f"image {len(images)}: {exc}") from None
+
         ids = render_chat(self.tokenizer, self.config, req.messages, add_generation_prompt=req.add_generation_prompt,
                           thinking=thinking, tools=req.tool_dicts(), tool_choice=req.tool_choice_value(),
                           response_format=req.response_format_dict(), thinking_effort=effort,
                           continue_final_message=req.continue_final_message,
-                          template_kwargs=req.extra_template_kwargs())
-        return ids, thinking and not req.continue_final_message
+                          template_kwargs=req.extra_template_kwargs(),
+                          image_ids=image_ids if self.media is not None else None)
+        return ids, thinking and not req.continue_final_message, images
 
     def encode_prompt(self, text: str) -> list[int]:
         """A completion's text prompt -> ids, shared with /tokenize. Special spellings become their ids, as a Hugging
@@ -145,7 +165,8 @@ def fairness_key(user: str | None, rid: str) -> str:
 
 
 async def tracked(state: ServerState, request_id: str, prompt: str | None, ids: list[int],
-                   params: SamplingParams, cache_salt: str | None, client: str) -> AsyncIterator[RequestOutput]:
+                   params: SamplingParams, cache_salt: str | None, client: str,
+                   images: list[ProcessedImage] | None = None) -> AsyncIterator[RequestOutput]:
     """Engine outputs with latency metrics recorded along the way. Closing it closes the engine stream at once
     (which aborts the request in the core), not whenever the garbage collector finalises it."""
     start = last = time.monotonic()
@@ -154,7 +175,8 @@ async def tracked(state: ServerState, request_id: str, prompt: str | None, ids: 
     access = current_record()  # this HTTP request's access-log line (server/access_log.py); None when off
     if access is not None:
         access.add_engine_request(request_id, len(ids))
-    async with aclosing(state.engine.generate(request_id, prompt, ids, params, cache_salt, client)) as outputs:
+    async with aclosing(state.engine.generate(request_id, prompt, ids, params, cache_salt, client,
+                                              images)) as outputs:
         try:
             async for out in outputs:
                 now = time.monotonic()
@@ -452,7 +474,9 @@ def _chat_logprobs(tok: Tokenizer, token_ids: list[int], logprobs) -> dict | Non
 
 
 async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request, rid: str):
-    ids, thinking = state.render(req)
+    ids, thinking, images = state.render(req)
+    if images and req.truncate_prompt_tokens is not None:
+        raise InvalidRequestError("truncate_prompt_tokens", "truncate_prompt_tokens would cut the prompt's images")
     ids = state.truncate(ids, req.truncate_prompt_tokens)
     state.check_prompt(ids, "messages")
     params = req.to_sampling_params(default_max_tokens=None)
@@ -465,7 +489,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: R
         state.limits.check_prompt_logprobs([len(ids)], "prompt_logprobs")
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
-    stream = tracked(state, rid, None, ids, params, req.cache_salt, fairness_key(req.user, rid))
+    stream = tracked(state, rid, None, ids, params, req.cache_salt, fairness_key(req.user, rid), images)
     parser = parser_for(state.config, state.tokenizer)
 
     if not req.stream:

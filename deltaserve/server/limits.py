@@ -22,13 +22,14 @@ class QueueFullError(DeltaserveError):
 @dataclass(frozen=True)
 class RequestLimits:
     """Per-request bounds (`--max-n`, `--max-prompts-per-request`, `--max-tokens-per-request`,
-    `--max-prompt-logprobs-tokens`)."""
+    `--max-prompt-logprobs-tokens`, `--max-images-per-request`)."""
 
     max_n: int = 16
     max_prompts_per_request: int = 64
     max_tokens_per_request: int = 1 << 20
     # prompt tokens one request may ask logprobs for: each keeps a report (with its alternatives) until the answer
     max_prompt_logprobs_tokens: int = 1 << 17
+    max_images_per_request: int = 8
 
     def check_prompt_logprobs(self, prompt_lengths: list[int], param: str) -> None:
         """Raise InvalidRequestError when the prompts whose logprobs are asked for hold too many tokens."""

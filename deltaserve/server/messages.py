@@ -12,11 +12,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import msgpack
+import torch
 
 from ..engine.core import CoreOutput
 from ..engine.sampler import TokenLogprobs
 from ..engine.sampling_params import SamplingParams
 from ..engine.summary import EngineSummary
+from ..vision import ProcessedImage
 
 
 @dataclass
@@ -26,6 +28,7 @@ class AddRequest:
     params: dict  # SamplingParams fields
     cache_salt: str | None = None
     client: str | None = None  # the scheduler's fairness key; None: the request id
+    images: list = field(default_factory=list)  # processed images (`image_to_dict`), the API process's work
 
 
 @dataclass
@@ -120,6 +123,23 @@ def _build(cls, data: dict):
     if set(data) - names:
         raise ValueError(f"unexpected fields in {cls.__name__}: {sorted(set(data) - names)}")
     return cls(**data)
+
+
+def image_to_dict(image: ProcessedImage) -> dict:
+    """A processed image on the wire: its fp32 patches as raw bytes with their shape, and its metadata."""
+    return {"pixels": image.pixel_values.float().contiguous().numpy().tobytes(),
+            "shape": list(image.pixel_values.shape), "grid": list(image.grid), "num_tokens": image.num_tokens,
+            "size": list(image.size), "digest": image.digest}
+
+
+def image_from_dict(d: dict) -> ProcessedImage:
+    """The image `image_to_dict` wrote; ValueError when its bytes do not fill its shape."""
+    shape = [int(v) for v in d["shape"]]
+    if len(shape) != 4 or 4 * shape[0] * shape[1] * shape[2] * shape[3] != len(d["pixels"]):
+        raise ValueError(f"an image of shape {shape} does not match its {len(d['pixels'])} bytes")
+    pixels = torch.frombuffer(bytearray(d["pixels"]), dtype=torch.float32).reshape(shape)
+    return ProcessedImage(pixels, tuple(int(v) for v in d["grid"]), int(d["num_tokens"]),
+                          tuple(int(v) for v in d["size"]), str(d["digest"]))
 
 
 def params_to_dict(p: SamplingParams) -> dict:

@@ -175,7 +175,7 @@ def _status(completion) -> str:
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request, rid: str):
     chat = req.chat_prompt()
     try:
-        ids, thinking = state.render(chat)
+        ids, thinking, images = state.render(chat)
     except ChatError as exc:  # the conversation cannot be rendered: the fault is in `input`
         raise InvalidRequestError("input", str(exc)) from None
     state.check_prompt(ids, "input")
@@ -187,7 +187,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     state.limits.check_tokens([len(ids)], 1, params.max_tokens, state.engine.max_model_len, "max_output_tokens")
     model = state.served_names[0] if req.model is None else req.model
     created = int(time.time())
-    stream = tracked(state, rid, None, ids, params, None, fairness_key(req.user, rid))
+    stream = tracked(state, rid, None, ids, params, None, fairness_key(req.user, rid), images)
     parser = parser_for(state.config, state.tokenizer).stream(thinking)
     items = OutputItems()
 
