@@ -26,7 +26,7 @@ def _bench(tmp_path, name: str, *argv: str) -> dict:
     out, png = tmp_path / f"{name}.json", tmp_path / f"{name}.png"
     plot = ["--plot", str(png)] if HAVE_MPL else []
     assert main(["bench", name, *argv, "--json", str(out), *plot]) == 0
-    if HAVE_MPL and name != "shared-prefix":
+    if HAVE_MPL and name not in ("shared-prefix", "vision"):  # those two draw nothing
         assert png.stat().st_size > 1000
     payload = json.loads(out.read_text())
     assert payload["bench"] == name and payload["machine"]["torch_threads"] >= 1
@@ -226,3 +226,13 @@ def test_backends_native_vs_torch(tmp_path, k31_tiny, capsys):
     assert 0 <= s["free_identical_prefix_min"] <= s["free_identical_prefix_mean"] <= 8
     assert s["native_generate_s"] > 0 and s["torch_generate_s"] > 0
     assert all(len(p["native_tokens"]) == len(p["torch_tokens"]) == 8 for p in payload["prompts"])
+
+
+def test_vision(tmp_path, make_checkpoint):
+    payload = _bench(tmp_path, "vision", "--model", str(make_checkpoint("k3-tiny-vision")), "--sizes", "56", "300",
+                     "--runs", "1")
+    # 56 px: 4 x 4 patches, 4 positions; 300 px shrinks to 228 (the preset's 256-patch limit), padded to 252: 18 x 18
+    assert [(e["side"], e["positions"]) for e in payload["encode"]] == [(56, 4), (300, 81)]
+    assert all(e["preprocess_s"] > 0 and e["encode_s"] > 0 for e in payload["encode"])
+    assert [t["images"] for t in payload["ttft"]] == [0, 1, 4] and all(t["ttft_s"] > 0 for t in payload["ttft"])
+

@@ -104,6 +104,12 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
 
     add_spec_args(sd)
 
+    vb = _engine_parser(bs, "vision", "the image path: processor and tower time per image size, and time to first "
+                                      "token with 0, 1 and 4 images", "bench_vision", "run_vision")
+    from .bench_vision import add_vision_args
+
+    add_vision_args(vb)
+
     bb = _engine_parser(bs, "backends", "native vs torch backend: teacher-forced greedy agreement, |delta logprob|, "
                                         "free-running identical prefix (--backend is ignored: both run)",
                         "bench_backends", "run_backends")
