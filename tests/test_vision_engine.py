@@ -98,7 +98,7 @@ def test_chat_image_parts_render_as_their_runs(make_checkpoint):
     direct = llm.generate({"prompt_token_ids": out.prompt_token_ids, "multi_modal_data": {"image": [red]}},
                           greedy(6), use_tqdm=False)[0]
     assert direct.outputs[0].token_ids == out.outputs[0].token_ids
-    for url, needle in [("https://example.com/cat.png", "remote image URLs are not fetched"),
+    for url, needle in [("https://example.com/cat.png", "--allowed-media-domains"),
                         ("data:image/png;base64,@@@", "not valid base64"),
                         ("file:///etc/passwd", "base64 data URL"),
                         ("data:image/png;base64," + base64.b64encode(b"nope").decode(), "not a readable image")]:

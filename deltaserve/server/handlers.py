@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -20,7 +22,9 @@ from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from ..errors import RequestFailedError
 from ..tokenizer import Tokenizer
-from ..vision import IMAGE_PLACEHOLDER, ImageError, MediaConfig, ProcessedImage, expand_prompt, image_part_data, preprocess
+from ..chat.base import IMAGE_PARTS
+from ..vision import (IMAGE_PLACEHOLDER, ImageError, ImageLimits, MediaConfig, ProcessedImage, expand_prompt,
+                      image_part_data, image_part_url, preprocess)
 from .access_log import current_record
 from .engine_client import EngineClient, EngineDeadError
 from .limits import RequestLimits, SequenceQueue
@@ -47,6 +51,7 @@ class ServerState:
     queue: SequenceQueue = field(init=False)  # sequences admitted and unfinished, bounded by max_queue_len
     default_thinking: bool = field(init=False)  # whether a chat request that says nothing about thinking thinks
     grammars: Grammars = field(init=False)  # checks structured-output constraints before they are queued
+    allowed_media_domains: tuple[str, ...] = ()  # hosts whose image URLs the server fetches (--allowed-media-domains)
     media: MediaConfig | None = field(init=False)  # the image processor's constants, for a model that takes images
 
     def __post_init__(self) -> None:
@@ -97,12 +102,41 @@ class ServerState:
                                              f"tokens; the prompt has {len(ids)} tokens and {params.max_tokens} "
                                              f"more were requested")
 
-    def render(self, req: ChatPromptOptions) -> tuple[list[int], bool, list[ProcessedImage]]:
+    async def fetch_images(self, messages: list) -> dict[str, bytes]:
+        """The bytes of every remote image URL in the messages' image parts whose host is allowed (the others are
+        refused when rendered): fetched without following redirects, at most ImageLimits.max_bytes each, within
+        MEDIA_FETCH_TIMEOUT_S; a failed fetch is a 400 naming the URL."""
+        urls = {url for m in messages if isinstance(m.get("content"), list) for part in m["content"]
+                if isinstance(part, dict) and part.get("type") in IMAGE_PARTS and (url := image_part_url(part))
+                and urlsplit(url).scheme in ("http", "https") and urlsplit(url).hostname in self.allowed_media_domains}
+        fetched: dict[str, bytes] = {}
+        if not urls:
+            return fetched
+        cap = ImageLimits.max_bytes
+        async with httpx.AsyncClient(timeout=MEDIA_FETCH_TIMEOUT_S, follow_redirects=False) as client:
+            for url in sorted(urls):
+                try:
+                    async with client.stream("GET", url) as answer:
+                        if answer.status_code != 200:
+                            raise InvalidRequestError("messages", f"image URL {url}: HTTP {answer.status_code}")
+                        body = bytearray()
+                        async for chunk in answer.aiter_bytes():
+                            body += chunk
+                            if len(body) > cap:
+                                raise InvalidRequestError("messages", f"image URL {url}: more than {cap} bytes")
+                except httpx.HTTPError as exc:
+                    raise InvalidRequestError("messages", f"image URL {url}: {type(exc).__name__}: {exc}") from None
+                fetched[url] = bytes(body)
+        return fetched
+
+    def render(self, req: ChatPromptOptions,
+               fetched: dict[str, bytes] | None = None) -> tuple[list[int], bool, list[ProcessedImage]]:
         """(prompt ids, whether the output starts in the reasoning channel, its images) of a chat: the one rendering
         chat completions and /tokenize share, with the request's tools, tool_choice, response_format, thinking
         switches, chat_template_kwargs and continue_final_message. A continued final message goes on in its
         response text, so its output starts as content even with thinking on. Image parts (base64 data URLs) are
-        decoded and processed here, each rendered as its media run; a bad one is a 400 naming it."""
+        decoded (remote ones from `fetched`, `fetch_images`) and processed here, each rendered as its media run; a
+        bad one is a 400 naming it."""
         thinking, effort = req.thinking_settings(self.default_thinking)
         images: list[ProcessedImage] = []
 
@@ -112,7 +146,7 @@ class ServerState:
                                                       f"{self.limits.max_images_per_request} images "
                                                       f"(--max-images-per-request)")
             try:
-                image = preprocess(image_part_data(part), self.media)
+                image = preprocess(image_part_data(part, fetched=fetched), self.media)
                 images.append(image)
                 return expand_prompt(IMAGE_PLACEHOLDER, [image], self.tokenizer)
             except ImageError as exc:
@@ -152,6 +186,9 @@ class ServerState:
 
     def metrics_hook(self, outputs, stats) -> None:
         self.metrics.observe_engine_stats(stats)
+
+
+MEDIA_FETCH_TIMEOUT_S = 10.0
 
 
 def _sse(obj) -> str:
@@ -474,7 +511,7 @@ def _chat_logprobs(tok: Tokenizer, token_ids: list[int], logprobs) -> dict | Non
 
 
 async def chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request, rid: str):
-    ids, thinking, images = state.render(req)
+    ids, thinking, images = state.render(req, await state.fetch_images(req.messages))
     if images and req.truncate_prompt_tokens is not None:
         raise InvalidRequestError("truncate_prompt_tokens", "truncate_prompt_tokens would cut the prompt's images")
     ids = state.truncate(ids, req.truncate_prompt_tokens)

@@ -175,7 +175,7 @@ def _status(completion) -> str:
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request, rid: str):
     chat = req.chat_prompt()
     try:
-        ids, thinking, images = state.render(chat)
+        ids, thinking, images = state.render(chat, await state.fetch_images(chat.messages))
     except ChatError as exc:  # the conversation cannot be rendered: the fault is in `input`
         raise InvalidRequestError("input", str(exc)) from None
     state.check_prompt(ids, "input")

@@ -60,6 +60,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-logprobs-tokens", type=positive_int,
                         default=RequestLimits.max_prompt_logprobs_tokens,
                         help="most prompt tokens one request may ask logprobs for (prompt_logprobs, echo + logprobs)")
+    parser.add_argument("--allowed-media-domains", nargs="*", default=[],
+                        help="hosts whose http(s) image URLs the server fetches (default: none; images come as data "
+                             "URLs)")
     parser.add_argument("--max-images-per-request", type=positive_int, default=RequestLimits.max_images_per_request,
                         help="most images one chat request may hold (a model with a vision tower)")
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20, help="request bodies above this get 413")
@@ -107,7 +110,7 @@ def build_state(args: argparse.Namespace) -> "ServerState":
     limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_tokens_per_request,
                            args.max_prompt_logprobs_tokens, args.max_images_per_request)
     return ServerState(client, tokenizer, config, path, names, metrics, args.api_key, args.max_queue_len,
-                       args.max_request_bytes, limits=limits)
+                       args.max_request_bytes, limits=limits, allowed_media_domains=tuple(args.allowed_media_domains))
 
 
 def uvicorn_log_level(level: str) -> int:

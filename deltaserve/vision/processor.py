@@ -175,17 +175,25 @@ def expand_prompt(text: str, images: list[ProcessedImage], tokenizer) -> list[in
     return out
 
 
-def image_part_data(part, max_bytes: int = ImageLimits.max_bytes) -> bytes:
-    """The bytes of an OpenAI image content part whose URL is a base64 data URL (`{"type": "image_url",
-    "image_url": {"url": "data:image/png;base64,..."}}`); ImageError naming why not. Remote URLs are refused: a
-    server that fetches them is a server any client can point at any address."""
+def image_part_url(part) -> str | None:
+    """The URL of an OpenAI image content part (`{"type": "image_url", "image_url": {"url": ...}}`, or `image`)."""
     url = part.get("image_url") if part.get("type") == "image_url" else part.get("image")
     url = url.get("url") if isinstance(url, dict) else url
-    if not isinstance(url, str):
+    return url if isinstance(url, str) else None
+
+
+def image_part_data(part, max_bytes: int = ImageLimits.max_bytes, fetched: dict[str, bytes] | None = None) -> bytes:
+    """The bytes of an OpenAI image content part: its base64 data URL decoded, or for a remote URL the bytes
+    `fetched` holds for it (a server fetches only the domains it is told to: one that fetched any URL could be
+    pointed at any address); ImageError naming why not."""
+    url = image_part_url(part)
+    if url is None:
         raise ImageError("the image part has no URL (image_url.url)")
     if url.startswith(("http://", "https://")):
-        raise ImageError("remote image URLs are not fetched; send the image as a data URL "
-                         "(data:image/png;base64,...)")
+        if fetched and url in fetched:
+            return fetched[url]
+        raise ImageError("remote image URLs are fetched only from the server's --allowed-media-domains; send the "
+                         "image as a data URL (data:image/png;base64,...)")
     head, sep, body = url.partition(",")
     if not (sep and head.startswith("data:") and head.endswith(";base64")):
         raise ImageError("the image URL must be a base64 data URL (data:image/...;base64,...)")
