@@ -153,7 +153,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, cache, self.backend, self.timer, self.faults,
                                   keep_hidden=self.proposer is not None and self.proposer.reads_hidden,
                                   send_step=self.workers.send_step if self.workers is not None else None,
-                                  image_features=self.image_features)
+                                  image_features=self.image_features if self.vision is not None else None)
         self._pending_copies: list[tuple[int, int]] = []  # (source, destination) pages of this step's forks
         self._requests: dict[str, list[Request]] = {}
         self._n: dict[str, tuple[SamplingParams, int, str | None]] = {}  # params, max_tokens, grammar text

@@ -147,7 +147,9 @@ class ModelRunner:
 
     def _image_rows(self, plan: StepPlan, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, features) of the step's rows that are image pad positions: each chunk takes the slice of each
-        image's features its positions reach (a chunk may start or end inside a pad run)."""
+        image's features its positions reach (a chunk may start or end inside a pad run); None without a tower."""
+        if self.image_features is None:
+            return None
         rows, values = [], []
         for (req, n), first_row in zip(plan.chunks, layout.query_start):
             start = req.num_computed_tokens
