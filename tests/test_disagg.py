@@ -148,3 +148,42 @@ def test_the_decode_side_pulls_only_the_pages_it_has_not_cached(make_checkpoint)
             tokens = [o.outputs[0].token_ids for o in decode.engine.step() if o.finished] or tokens
         assert tokens == [want] and core.stats()["kv_transfers_recomputed"] == 1
         assert_pools_free(decode.engine)
+
+
+def test_an_image_prompt_moves_with_its_image(make_checkpoint):
+    """A prompt holding an image (k3-tiny-vision): the prefill instance computes it with the image's features, the
+    decode instance (given the same image) pulls its cache and gives one instance's tokens; the same kv params with
+    another image of the same size are refused when loaded (the digest covers the images)."""
+    import io
+
+    from PIL import Image
+
+    from deltaserve.errors import RequestFailedError
+    from deltaserve.vision import IMAGE_PLACEHOLDER
+
+    def png(colour):
+        out = io.BytesIO()
+        Image.new("RGB", (90, 70), colour).save(out, format="PNG")
+        return out.getvalue()
+
+    path = make_checkpoint("k3-tiny-vision")
+    prompt = "look at " + IMAGE_PLACEHOLDER + " and say"
+    red, blue = png((200, 30, 30)), png((30, 30, 200))
+    want = make_llm(path).generate({"prompt": prompt, "multi_modal_data": {"image": [red]}}, greedy(8),
+                                    use_tqdm=False)[0].outputs[0].token_ids
+    with _producer(path) as prefill, _consumer(path) as decode:
+        first = prefill.generate({"prompt": prompt, "multi_modal_data": {"image": [red]}},
+                                 SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                                 use_tqdm=False)
+        kv = [first[0].kv_transfer_params]
+        first = prefill.generate({"prompt": prompt, "multi_modal_data": {"image": [red]}},
+                                 SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                                 use_tqdm=False)
+        kv.append(first[0].kv_transfer_params)
+        got = decode.generate({"prompt": prompt, "multi_modal_data": {"image": [red]}},
+                              greedy(8, kv_transfer_params=kv[0]), use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want
+        with pytest.raises(RequestFailedError, match="computed from other tokens"):
+            decode.generate({"prompt": prompt, "multi_modal_data": {"image": [blue]}},
+                            greedy(8, kv_transfer_params=kv[1]), use_tqdm=False)
+        assert_pools_free(decode.engine)

@@ -58,9 +58,9 @@ class KVPayload(NamedTuple):
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def token_digest(ids: list[int]) -> str:
-    """A digest of token ids: what a cache was computed from."""
-    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]
+def token_digest(ids: list[int], images: tuple[str, ...] = ()) -> str:
+    """A digest of token ids and the content digests of the images among them: what a cache was computed from."""
+    return hashlib.sha256((",".join(map(str, ids)) + "|" + ",".join(images)).encode()).hexdigest()[:32]
 
 
 def _slot_tensors(states: StateSlots) -> dict[str, torch.Tensor]:
@@ -107,9 +107,10 @@ def check_format(mine: dict, theirs: dict) -> None:
                                   f"{a.get(name)!r} (cache dtype, layers, drafter or tensor-parallel layout differ)")
 
 
-def export_kv(pages: PagePool, states: StateSlots, block_ids: list[int], slot: int, tokens: list[int]) -> KVPayload:
-    """Copy out the pages of a request's first len(`tokens`) tokens (it holds `block_ids`) and its KDA state `slot`
-    (which must be the state after exactly those tokens)."""
+def export_kv(pages: PagePool, states: StateSlots, block_ids: list[int], slot: int, tokens: list[int],
+              images: tuple[str, ...] = ()) -> KVPayload:
+    """Copy out the pages of a request's first len(`tokens`) tokens (it holds `block_ids`; `images`: the digests of
+    the images among them) and its KDA state `slot` (which must be the state after exactly those tokens)."""
     num_tokens = len(tokens)
     count = pages.blocks_needed(num_tokens)
     if count > len(block_ids):
@@ -117,15 +118,15 @@ def export_kv(pages: PagePool, states: StateSlots, block_ids: list[int], slot: i
     index = torch.tensor(block_ids[:count], dtype=torch.long)
     tensors = {name: t.index_select(0, index) for name, t in pages.named_storage(drafter=False).items()}
     tensors.update({name: t[slot].clone() for name, t in _slot_tensors(states).items()})
-    return KVPayload(num_tokens, tensors, token_digest(tokens))
+    return KVPayload(num_tokens, tensors, token_digest(tokens, images))
 
 
 def import_kv(payload: KVPayload, pages: PagePool, states: StateSlots, block_ids: list[int], slot: int,
-              tokens: list[int]) -> None:
+              tokens: list[int], images: tuple[str, ...] = ()) -> None:
     """Write `payload` into pages `block_ids` (its first ceil(num_tokens / B)) and state `slot`, after checking that
-    it was computed from `tokens` (this side's first num_tokens) and holds exactly this side's tensors in this side's
-    shapes and dtypes."""
-    if len(tokens) != payload.num_tokens or token_digest(tokens) != payload.tokens:
+    it was computed from `tokens` (this side's first num_tokens) and the images `images` (their digests) and holds
+    exactly this side's tensors in this side's shapes and dtypes."""
+    if len(tokens) != payload.num_tokens or token_digest(tokens, images) != payload.tokens:
         raise KVTransferError(f"the transferred cache was computed from other tokens than this prompt's first "
                               f"{payload.num_tokens}", "load")
     first, count = payload.first_page, pages.blocks_needed(payload.num_tokens) - payload.first_page

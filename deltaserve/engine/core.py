@@ -227,8 +227,6 @@ class EngineCore:
                 why = "runs on several ranks" if self.workers is not None else "has no vision tower"
                 raise InvalidRequestError("images", f"this engine {why}: it takes no images")
             return []
-        if images and kv:
-            raise InvalidRequestError("kv_transfer_params", "prefill/decode disaggregation does not take images yet")
         pad = self.config.media_placeholder_token_id
         runs, i = [], 0
         while i < len(prompt_ids):
@@ -394,7 +392,7 @@ class EngineCore:
             self._loaded.popleft()
             try:
                 import_kv(payload, self.pages, self.states, req.block_ids, req.state_slot,
-                          req.prompt_ids[:payload.num_tokens])
+                          req.prompt_ids[:payload.num_tokens], _image_digests(req, payload.num_tokens))
             except KVTransferError as exc:
                 self._fail_load(req, exc)
                 continue
@@ -693,7 +691,8 @@ class EngineCore:
         n = req.remote_decode_tokens
         if n == 0:  # a one-token prompt: the decode instance computes it all
             return {"do_remote_prefill": True, "num_tokens": 0}
-        payload = export_kv(self.pages, self.states, req.block_ids, req.state_slot, req.prompt_ids[:n])
+        payload = export_kv(self.pages, self.states, req.block_ids, req.state_slot, req.prompt_ids[:n],
+                            _image_digests(req, n))
         return self.kv_producer.stage(uuid.uuid4().hex, payload)
 
     def _fork_siblings(self, fwd: ForwardOutput) -> list[SampledRows]:
@@ -848,6 +847,11 @@ def _resolve_max_model_len(args: EngineArgs, config, pool_tokens: int) -> int:
     if limit > pool_tokens:
         log.warning("max_model_len lowered from %d to %d tokens, what the page pool holds", limit, pool_tokens)
     return min(limit, pool_tokens)
+
+
+def _image_digests(req: Request, num_tokens: int) -> tuple[str, ...]:
+    """The content digests of the request's images within its first `num_tokens` tokens."""
+    return tuple(image.digest for first, _, image in req.images if first < num_tokens)
 
 
 def _drafter(spec, model, model_path: Path, dtype: torch.dtype):
