@@ -6,6 +6,7 @@ preemption, n > 1, logprobs and stop strings, on both execution backends, with t
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -411,9 +412,31 @@ def tiny_drafter(make_checkpoint, tmp_path_factory) -> str:
 
 
 def _config(method: str, drafter: str | None = None) -> dict:
-    if method == "dspark":
-        return {"method": "dspark", "num_speculative_tokens": 3, "model": drafter}
+    if method == "dspark":  # the whole block verified: the tiny drafter is too unsure for any confidence cut
+        return {"method": "dspark", "num_speculative_tokens": 3, "model": drafter, "dspark_min_confidence": 0.0}
     return {"suffix": SUFFIX, "mtp": MTP}[method]
+
+
+@torch.no_grad()
+def test_dspark_blocks_stop_where_their_estimated_survival_falls_below_the_threshold(make_checkpoint, tiny_drafter):
+    """A block's drafts are cut before the first one at which the product of the Markov head's probabilities of the
+    drafts so far is below dspark_min_confidence; what is kept is the uncut block's prefix."""
+    llm = make_llm(make_checkpoint("k31-tiny"), speculative_config=_config("dspark", tiny_drafter))
+    proposer = llm.engine.core.proposer
+    torch.manual_seed(0)
+    base = torch.randn(3, llm.engine.config.vocab_size) * 4
+    seq = SimpleNamespace(params=greedy(4), num_computed_tokens=0, token_slice=lambda a, b: [5][a:b])
+    whole = proposer._markov(seq, base).tokens
+    survival, products, previous = 1.0, [], 5
+    for k, token in enumerate(whole):
+        q = torch.softmax(base[k] + proposer.drafter.markov_bias(torch.tensor(previous)), -1)
+        survival *= float(q[token])
+        products.append(survival)
+        previous = token
+    for threshold in (0.0, products[0] / 2, (products[0] + products[1]) / 2, 1.0):
+        proposer.min_confidence = threshold
+        kept = proposer._markov(seq, base).tokens
+        assert kept == whole[:sum(p >= threshold for p in products)], (threshold, products)
 
 
 @pytest.mark.slow
@@ -548,3 +571,23 @@ def test_dspark_drafts_are_the_drafter_run_without_a_cache(make_checkpoint, tiny
         assert drafts == want, (tokens, drafts, want)
         checked += 1
     assert checked > 10
+
+
+def test_default_model_greedy_tokens_with_its_shipped_dspark_drafter():
+    """The DSpark drafter shipped beside the default model (taken when speculative_config names no `model`), on
+    Python source with chunked prefill: the tokens of the run without speculation, drafts both kept and rejected."""
+    from deltaserve.default_model import default_model_path
+    from deltaserve.tools.corpus import VALIDATION_PATH
+
+    path = default_model_path()
+    probe = make_llm(path)
+    ids = probe.tokenizer.encode(VALIDATION_PATH.read_text()[:30_000])
+    prompts = [ids[i:i + n] for i, n in ((0, 40), (3000, 90), (7000, 64))]
+    stats = new_stats("default model dspark")
+    engine, _ = _assert_greedy_as_without_speculation(
+        path, prompts, [greedy(32)] * len(prompts), stats,
+        speculative_config={"method": "dspark", "num_speculative_tokens": 3}, max_num_batched_tokens=64,
+        kv_cache_memory="64MiB")
+    spec = engine.core.spec_stats
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    stats.assert_rare()

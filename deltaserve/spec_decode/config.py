@@ -22,7 +22,9 @@ class SpeculativeConfig:
     drafts one request verifies in a step (the suffix proposer drafts fewer when its match is short). The
     `suffix_decoding_*` knobs are vLLM's names for the suffix proposer (max_tree_depth: the longest suffix matched;
     max_cached_requests: past responses kept for matching; max_spec_factor: drafts per matched token;
-    min_token_prob: a draft stops at a token whose estimated probability is lower)."""
+    min_token_prob: a draft stops at a token whose estimated probability is lower). `dspark_min_confidence`: a DSpark
+    block stops before the draft at which the product of the drafter's probabilities of its drafts so far (its
+    estimate that all of them survive verification) falls below it; 0 verifies the whole block."""
 
     method: str
     num_speculative_tokens: int
@@ -31,6 +33,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    dspark_min_confidence: float = 0.3
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -43,6 +46,8 @@ class SpeculativeConfig:
         if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
             raise ConfigError("speculative_config: suffix_decoding_max_tree_depth must be >= 1 and "
                               "suffix_decoding_max_cached_requests >= 0")
+        if not 0 <= self.dspark_min_confidence <= 1:
+            raise ConfigError("speculative_config: dspark_min_confidence must be in [0, 1]")
         if self.suffix_decoding_max_spec_factor <= 0 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ConfigError("speculative_config: suffix_decoding_max_spec_factor must be > 0 and "
                               "suffix_decoding_min_token_prob in [0, 1]")

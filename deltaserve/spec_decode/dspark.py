@@ -23,10 +23,12 @@ from .proposer import DraftRequest, Proposal, Proposer, TargetStep
 class DSparkProposer(Proposer):
     reads_hidden = True
 
-    def __init__(self, model, drafter: DSparkDrafter, cache, first_layer: int, default_generator):
+    def __init__(self, model, drafter: DSparkDrafter, cache, first_layer: int, default_generator,
+                 min_confidence: float = 0.0):
         self.model, self.drafter, self.cache = model, drafter, cache
         self.layers = [first_layer + i for i in range(drafter.config.num_hidden_layers)]
         self.default_generator = default_generator  # the generator of requests without a seed
+        self.min_confidence = min_confidence  # see _markov
 
     @torch.inference_mode()
     def catch_up(self, step: TargetStep) -> None:
@@ -85,18 +87,26 @@ class DSparkProposer(Proposer):
 
     def _markov(self, seq, base: torch.Tensor) -> Proposal:
         """The drafts of one request from its block's logits [G, vocab], left to right through the Markov head:
-        argmax for a greedy request, else a draw at its temperature from its own generator (q kept)."""
+        argmax for a greedy request, else a draw at its temperature from its own generator (q kept). The block stops
+        before the draft at which the product of the drafter's probabilities of its drafts falls below
+        `min_confidence` (its estimate that every draft so far survives): rows unlikely to be kept are not verified
+        (the spec's confidence-scheduled length, with the Markov head's own probabilities as the confidence)."""
         params = seq.params
         tokens, probs = [], []
+        survival = 1.0
         previous = seq.token_slice(seq.num_computed_tokens, seq.num_computed_tokens + 1)[0]  # the anchor
         for k in range(base.shape[0]):
             logits = base[k] + self.drafter.markov_bias(torch.tensor(previous))
+            q = torch.softmax(logits / (params.temperature if not params.greedy else 1.0), dim=-1)
             if params.greedy:
                 token = int(logits.argmax())
             else:
-                q = torch.softmax(logits / params.temperature, dim=-1)
                 gen = seq.sampling.generator or self.default_generator
                 token = int(torch.multinomial(q.to(gen.device), 1, generator=gen))
+            survival *= float(q[token])
+            if survival < self.min_confidence:
+                break
+            if not params.greedy:
                 probs.append(q)
             tokens.append(token)
             previous = token
