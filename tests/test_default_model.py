@@ -46,6 +46,9 @@ def test_shipped_files(model_dir):
         assert (model_dir / name).is_file(), name
     size = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     assert size < 50 * 2**20, size
+    drafter = model_dir / "dspark"  # the DSpark drafter shipped beside it: the whole package stays under 60 MB
+    assert (drafter / "config.json").is_file() and (drafter / "model.safetensors").is_file()
+    assert size + sum(p.stat().st_size for p in drafter.iterdir()) < 60 * 2**20
     assert corpus.VALIDATION_PATH.stat().st_size <= 310_000
     # the shipped shape is the k31-stdlib preset, K3.1 (DSA) with every K3 part active
     config = load_config(model_dir)
