@@ -64,7 +64,7 @@ def test_latent_page_layout_and_round_trip(kv):
     rows = torch.tensor([0, 5, 6, 11, 2])
     keys = torch.randn(5, c.index_head_dim, generator=g)
     pool.write(layer, rows, x, keys if layer in c.dsa_layers else None)
-    page = pool._storage[c.mla_layers.index(layer)].view(-1, 656)
+    page = pool.named_storage()[f"latent.{layer}"].view(-1, 656)
     want = quantize_latent(x, r, 128, dt)
     for i, row in enumerate(rows.tolist()):
         assert torch.equal(page[row, :r], want.values[i].view(torch.uint8))
@@ -105,9 +105,11 @@ def test_c8_fast_ops_equal_reference_ops(make_checkpoint):
 @pytest.mark.slow
 def test_c8_greedy_agreement_with_model_dtype_cache():
     """Greedy tokens with the C8 cache (latent and indexer keys in 8 bits) against the model-dtype cache over a fixed
-    prompt set: at least 5 of the 6 sequences identical, and where one differs, it first differs at a near-tie of the
+    prompt set: at least 4 of the 6 sequences identical, and where one differs, it first differs at a near-tie of the
     model-dtype run (its top-2 logprobs within 0.1 nats), a choice an 8-bit rounding of the context may flip; after
     that the two sequences continue from different tokens, so positions after a flip say nothing about the cache.
+    Which near-ties flip depends on the CPU's bf16 kernels (AMX tiles or AVX-512 BF16 sum in different orders): one
+    sequence of six on the Xeon with AMX, two on an AMD EPYC with AVX-512 BF16, each at such a near-tie.
     Measured on the trained default model (a K3.1 model: KDA + DSA + AttnRes + latent MoE): the random tiny presets
     have near-uniform next-token distributions (top-2 logprob gaps ~0.1), so any rounding flips their argmax and
     agreement there says nothing about the cache."""
@@ -127,4 +129,4 @@ def test_c8_greedy_agreement_with_model_dtype_cache():
                 differ += 1
                 (_, top1), (_, top2) = base.logprobs[first].top[:2]
                 assert top1 - top2 < 0.1, (kv, first, top1 - top2)
-        assert differ <= 1, (kv, differ)
+        assert differ <= 2, (kv, differ)
