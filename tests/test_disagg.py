@@ -89,8 +89,9 @@ def test_a_gone_or_forgetful_prefill_instance_fails_the_request_in_time(make_che
         assert lost.error and "did not answer within" in lost.error
         assert lost.outputs[0].finish_reason == "error" and len(plain.outputs[0].token_ids) == 4
         stats = decode.engine.core.stats()
-        assert stats["kv_transfer_failures_transfer"] == 2 and stats["kv_transfers_in_flight"] == 0
-        assert stats["kv_transfers_received"] == stats["kv_transfer_failures_load"] == 1  # the other prompt's
+        failures = stats["kv_transfer_failures_by_stage"]
+        assert failures["transfer"] == 2 and stats["kv_transfers_in_flight"] == 0
+        assert stats["kv_transfers_received"] == failures["load"] == 1  # the other prompt's
         assert_pools_free(decode.engine)
 
 
@@ -99,7 +100,7 @@ def test_handshake_refuses_another_model(make_checkpoint):
         kv = _prefill(prefill, [list(range(1, 30))])[0]
         with pytest.raises(RequestFailedError, match="model is"):
             decode.generate([list(range(1, 30))], greedy(4, kv_transfer_params=kv), use_tqdm=False)
-        assert decode.engine.core.stats()["kv_transfer_failures_handshake"] == 1
+        assert decode.engine.core.stats()["kv_transfer_failures_by_stage"] == {"handshake": 1}
         assert_pools_free(decode.engine)
 
 

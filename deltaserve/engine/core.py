@@ -281,7 +281,8 @@ class EngineCore:
     def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
         """Finish the request (or one completion of it) and free everything it holds. Unknown ids are ignored."""
         self._pulling.pop(request_id, None)
-        self._loaded = deque((r, p) for r, p in self._loaded if r.request_id != request_id)
+        if self._loaded:
+            self._loaded = deque((r, p) for r, p in self._loaded if r.request_id != request_id)
         for req in list(self._requests.get(request_id, [])):
             if index is not None and req.index != index:
                 continue
@@ -787,8 +788,7 @@ class EngineCore:
             out.update(kv_transfers_received=c.num_received, kv_transfer_bytes_received=c.bytes_received,
                        kv_transfers_in_flight=len(self._pulling) + len(self._loaded),
                        kv_transfers_recomputed=self.kv_transfers_recomputed,
-                       kv_transfer_failures=sum(failures.values()), kv_transfer_failures_by_stage=failures,
-                       **{f"kv_transfer_failures_{stage}": n for stage, n in sorted(failures.items())})
+                       kv_transfer_failures=sum(failures.values()), kv_transfer_failures_by_stage=failures)
         if out:
             out["kv_transfer_bytes"] = out.get("kv_transfer_bytes_sent", 0) + out.get("kv_transfer_bytes_received", 0)
         return out

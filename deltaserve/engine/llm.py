@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from ..chat import render_chat
 from ..errors import RequestFailedError
-from ..vision import IMAGE_PLACEHOLDER, ImageError, expand_prompt, image_part_data, preprocess
+from ..vision import ImageError, image_part_run
 from .config import EngineArgs
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -129,9 +129,7 @@ class LLM:
         media run's ids."""
         def run(part) -> list[int]:
             try:
-                image = preprocess(image_part_data(part), self.engine.core.media)
-                images.append(image)
-                return expand_prompt(IMAGE_PLACEHOLDER, [image], self.tokenizer)
+                return image_part_run(part, self.engine.core.media, self.tokenizer, images)
             except ImageError as exc:
                 raise InvalidRequestError("messages", f"image {len(images)}: {exc}") from None
         return run

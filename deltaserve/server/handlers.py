@@ -23,8 +23,7 @@ from ..engine.sampling_params import InvalidRequestError, SamplingParams, Struct
 from ..errors import RequestFailedError
 from ..tokenizer import Tokenizer
 from ..chat.base import IMAGE_PARTS
-from ..vision import (IMAGE_PLACEHOLDER, ImageError, ImageLimits, MediaConfig, ProcessedImage, expand_prompt,
-                      image_part_data, image_part_url, preprocess)
+from ..vision import ImageError, ImageLimits, MediaConfig, ProcessedImage, image_part_run, image_part_url
 from .access_log import current_record
 from .engine_client import EngineClient, EngineDeadError
 from .limits import RequestLimits, SequenceQueue
@@ -146,9 +145,7 @@ class ServerState:
                                                       f"{self.limits.max_images_per_request} images "
                                                       f"(--max-images-per-request)")
             try:
-                image = preprocess(image_part_data(part, fetched=fetched), self.media)
-                images.append(image)
-                return expand_prompt(IMAGE_PLACEHOLDER, [image], self.tokenizer)
+                return image_part_run(part, self.media, self.tokenizer, images, fetched)
             except ImageError as exc:
                 raise InvalidRequestError("messages", f"image {len(images)}: {exc}") from None
 

@@ -2,7 +2,9 @@
 that encodes the patches is models/vision.py."""
 
 from .processor import (IMAGE_PLACEHOLDER, ImageError, ImageLimits, MediaConfig, ProcessedImage, expand_placeholder,
-                        expand_prompt, image_part_data, image_part_url, navit_size, padded_grid, preprocess)
+                        expand_prompt, image_part_data, image_part_run, image_part_url,
+                        navit_size, padded_grid, preprocess)
 
 __all__ = ["IMAGE_PLACEHOLDER", "ImageError", "ImageLimits", "MediaConfig", "ProcessedImage", "expand_placeholder",
-           "expand_prompt", "image_part_data", "image_part_url", "navit_size", "padded_grid", "preprocess"]
+           "expand_prompt", "image_part_data", "image_part_run", "image_part_url",
+           "navit_size", "padded_grid", "preprocess"]

@@ -175,6 +175,15 @@ def expand_prompt(text: str, images: list[ProcessedImage], tokenizer) -> list[in
     return out
 
 
+def image_part_run(part, c: MediaConfig, tokenizer, images: list[ProcessedImage],
+                   fetched: dict[str, bytes] | None = None) -> list[int]:
+    """A chat renderer's `image_ids`: an image content part decoded and processed (appended to `images`), and the
+    ids of its media run; ImageError naming why not."""
+    image = preprocess(image_part_data(part, fetched=fetched), c)
+    images.append(image)
+    return expand_prompt(IMAGE_PLACEHOLDER, [image], tokenizer)
+
+
 def image_part_url(part) -> str | None:
     """The URL of an OpenAI image content part (`{"type": "image_url", "image_url": {"url": ...}}`, or `image`)."""
     url = part.get("image_url") if part.get("type") == "image_url" else part.get("image")
