@@ -60,6 +60,29 @@ def test_a_block_reads_only_the_context_before_its_anchor():
 
 
 @torch.no_grad()
+def test_blocks_batched_in_absorbed_form_are_the_plain_forward():
+    """Serving's form (several blocks at once, contexts padded to one length, attention in MLA's absorbed form) gives
+    each block the states of the plain forward over its own context: fp32, contexts of 0, 3 and 9 rows, padding
+    rows filled with noise that no block may see."""
+    drafter = _drafter()
+    G, T = CONFIG.block_size, 9
+    anchors = torch.tensor([3, 9, 0])
+    states = [torch.randn(int(P), CONFIG.context_dim) for P in anchors]
+    embeds = torch.randn(len(anchors), G, CONFIG.hidden_size)
+    positions = anchors.unsqueeze(1) + torch.arange(G)
+    padded = [torch.randn(len(anchors), T, CONFIG.kv_lora_rank + CONFIG.qk_rope_head_dim) * 3
+              for _ in range(CONFIG.num_hidden_layers)]
+    for b, P in enumerate(anchors.tolist()):
+        for layer, rows in enumerate(drafter.context_latents(states[b], torch.arange(P))):
+            padded[layer][b, :P] = rows
+    batched = drafter.block_states_batched(embeds, positions, padded, anchors)
+    for b, P in enumerate(anchors.tolist()):
+        plain = drafter.block_states(embeds[b], positions[b], drafter.context_latents(states[b], torch.arange(P)),
+                                     block_visibility(torch.tensor([P]), P, G))
+        torch.testing.assert_close(batched[b], plain, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
 def test_markov_bias_is_w2_of_w1_of_the_previous_token():
     drafter = _drafter()
     prev = torch.tensor([[3, 7], [0, 49]])

@@ -17,7 +17,7 @@ from deltaserve.cache.page_pool import PagePool
 from deltaserve.cache.state_slots import StateSlots
 from deltaserve.errors import ConfigError
 from deltaserve.layers.batch import StepBatch
-from deltaserve.spec_decode import Proposal, Proposer, SpeculativeConfig, SuffixProposer
+from deltaserve.spec_decode import DraftRequest, Proposal, Proposer, SpeculativeConfig, SuffixProposer
 from engine_utils import (assert_pools_free, assert_same_greedy, assert_same_prefix, greedy, make_llm, new_stats,
                           pool_bytes, random_prompts)
 from server_utils import metric, run_server
@@ -52,6 +52,7 @@ class Seq:
     ({"method": "suffix", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown keys"),
     ({"method": "suffix", "num_speculative_tokens": 2, "model": "/x"}, "model"),
     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2}, "min_token_prob"),
+    ({"method": "dspark", "num_speculative_tokens": 2, "dspark_max_skip": -1}, "dspark_max_skip"),
 ])
 def test_config_errors_name_the_key(value, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -426,7 +427,7 @@ def test_dspark_blocks_stop_where_their_estimated_survival_falls_below_the_thres
     torch.manual_seed(0)
     base = torch.randn(3, llm.engine.config.vocab_size) * 4
     seq = SimpleNamespace(params=greedy(4), num_computed_tokens=0, token_slice=lambda a, b: [5][a:b])
-    whole = proposer._markov(seq, base).tokens
+    whole = proposer._markov([seq], [3], base.unsqueeze(0))[0].tokens
     survival, products, previous = 1.0, [], 5
     for k, token in enumerate(whole):
         q = torch.softmax(base[k] + proposer.drafter.markov_bias(torch.tensor(previous)), -1)
@@ -435,8 +436,42 @@ def test_dspark_blocks_stop_where_their_estimated_survival_falls_below_the_thres
         previous = token
     for threshold in (0.0, products[0] / 2, (products[0] + products[1]) / 2, 1.0):
         proposer.min_confidence = threshold
-        kept = proposer._markov(seq, base).tokens
+        kept = proposer._markov([seq], [3], base.unsqueeze(0))[0].tokens
         assert kept == whole[:sum(p >= threshold for p in products)], (threshold, products)
+
+
+def test_dspark_requests_with_empty_blocks_skip_the_drafter_for_doubling_spells(make_checkpoint, tiny_drafter):
+    """A request whose block is cut to no drafts sits out the next 1, 2, 4, ... propose calls (at most
+    dspark_max_skip), is left out of the drafter pass meanwhile, and drafts every step again after a block with
+    drafts; a finished request's count is dropped."""
+    llm = make_llm(make_checkpoint("k31-tiny"),
+                   speculative_config={**_config("dspark", tiny_drafter), "dspark_max_skip": 4})
+    proposer = llm.engine.core.proposer
+
+    class Seq:  # what propose reads of a request
+        params = greedy(4)
+        num_computed_tokens = num_drafter_tokens = 0
+
+    quiet, other = Seq(), Seq()
+    passes = []
+    proposer._blocks = lambda seqs: passes.append(list(seqs)) or torch.zeros(len(seqs), 3, 8)
+    proposer._markov = lambda seqs, rooms, base: [Proposal([] if seq is quiet else [1]) for seq in seqs]
+    drafted = []
+    for _ in range(16):
+        proposer.propose([DraftRequest(quiet, 3), DraftRequest(other, 3)])
+        drafted.append(quiet in passes[-1])
+        assert other in passes[-1]
+    # drafted at calls 0, 2, 5, 10, 15: skips of 1, 2, 4, 4 between them
+    assert [i for i, d in enumerate(drafted) if d] == [0, 2, 5, 10, 15]
+    proposer._markov = lambda seqs, rooms, base: [Proposal([1]) for _ in seqs]
+    for _ in range(5):  # the 4 steps bought at call 15 run out; a block with drafts clears the count
+        proposer.propose([DraftRequest(quiet, 3)])
+    assert quiet in passes[-1] and quiet not in proposer._quiet
+    proposer._markov = lambda seqs, rooms, base: [Proposal([]) for _ in seqs]
+    proposer.propose([DraftRequest(quiet, 3)])
+    assert quiet in proposer._quiet
+    proposer.finish(quiet, [])
+    assert quiet not in proposer._quiet
 
 
 @pytest.mark.slow

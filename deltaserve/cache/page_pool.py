@@ -175,6 +175,16 @@ class PagePool:
         table = torch.tensor(block_table, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def padded_slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
+        """[len(block_tables), length] flat rows of positions 0..length-1 of each request; positions past a request's
+        pages read rows of block 0 (padding, for the caller to mask)."""
+        table = torch.zeros(len(block_tables), max(1, -(-length // self.block_size)), dtype=torch.long)
+        for b, blocks in enumerate(block_tables):
+            used = blocks[:table.shape[1]]
+            table[b, :len(used)] = torch.tensor(used, dtype=torch.long)
+        pos = torch.arange(length)
+        return table[:, pos // self.block_size] * self.block_size + pos % self.block_size
+
     def write(self, layer: int, rows: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Store this step's [c | k_pe] rows (quantised per tile for C8) and indexer keys (rotated and quantised
         per token for 8-bit keys) at flat page rows."""

@@ -64,3 +64,7 @@ class PagedCache(ModelCache):
 
     def read_mla(self, layer: int, handle: SeqHandle, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.pages.read(layer, handle.rows[:length])
+
+    def read_mla_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """The latent rows [len(rows), r + rho] at flat page rows (`write_mla_rows`'s pair), in the model dtype."""
+        return self.pages.read(layer, rows)[0]

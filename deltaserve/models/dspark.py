@@ -1,4 +1,4 @@
-"""The DSpark drafter (docs/serving.md §9.6): a small dense stack that drafts a block of `block_size` tokens at once,
+"""The DSpark drafter (docs/serving.md §9.4): a small dense stack that drafts a block of `block_size` tokens at once,
 and a low-rank Markov head that makes each draft depend on the one before it.
 
 * Context: the target's pre-norm final state at every position before the anchor, projected and normalised
@@ -114,6 +114,30 @@ class DSparkAttention(nn.Module):
         out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), kv[..., self.n:].float()).to(x.dtype)
         return self.o_proj(out.reshape(Q, self.H * self.v))
 
+    def forward_absorbed(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                         num_context: torch.Tensor) -> torch.Tensor:
+        """`forward` for B blocks at once, in MLA's absorbed form (serving's twin; tests hold them together): block
+        b's queries `x[b]` [G, d] at `positions[b]` see its keys `keys[b]` [T + G, r + rho] (padded context rows,
+        then its own block rows) except context rows at or past `num_context[b]`. The queries move into latent
+        space through kv_b_proj's key half and the output leaves it through the value half, so context rows are
+        read as stored, never expanded per head."""
+        B, G, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, G, self.H, self.n + self.rho)
+        cos, sin = self.rotary.cos_sin(positions)
+        q_pe = rotate_interleaved(q[..., self.n:], cos.unsqueeze(2), sin.unsqueeze(2)).to(x.dtype)
+        w = self.kv_b_proj.weight.view(self.H, self.n + self.v, self.r).float()
+        q_latent = torch.einsum("bghn,hnr->bghr", q[..., :self.n].float(), w[:, :self.n])
+        query = torch.cat([q_latent, q_pe.float()], dim=-1).view(B, G * self.H, -1) * self.scale
+        keys = keys.float()
+        scores = torch.bmm(query, keys.transpose(1, 2))  # [B, G * H, T + G]
+        T = keys.shape[1] - G
+        columns = torch.arange(T + G)
+        unseen = (columns < T) & (columns.unsqueeze(0) >= num_context.unsqueeze(1))  # [B, T + G]
+        scores.masked_fill_(unseen.unsqueeze(1), float("-inf"))
+        out_latent = torch.bmm(scores.softmax(-1), keys[..., :self.r]).view(B * G, self.H, self.r)
+        out = torch.einsum("qhr,hvr->qhv", out_latent, w[:, self.n:]).to(x.dtype)
+        return self.o_proj(out.reshape(B, G, self.H * self.v))
+
 
 class DSparkLayer(nn.Module):
     def __init__(self, c: DSparkConfig):
@@ -131,7 +155,18 @@ class DSparkLayer(nn.Module):
         [Q, T + Q] (context columns, then the block's)."""
         normed = self.input_layernorm(x)
         keys = torch.cat([context, self.self_attn.latents(normed, positions)])
-        x = x + self.self_attn(normed, positions, keys, visible)
+        return self._mlp(x + self.self_attn(normed, positions, keys, visible))
+
+    def forward_blocks(self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
+                       num_context: torch.Tensor) -> torch.Tensor:
+        """`forward` for B blocks `x` [B, G, d] at `positions` [B, G], block b over its padded context rows
+        `context[b]` [T, r + rho] (the first `num_context[b]` are its own) and its own rows."""
+        normed = self.input_layernorm(x)
+        own = self.self_attn.latents(normed.flatten(0, 1), positions.flatten()).view(*x.shape[:2], -1)
+        return self._mlp(x + self.self_attn.forward_absorbed(normed, positions, torch.cat([context, own], dim=1),
+                                                             num_context))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -162,6 +197,16 @@ class DSparkDrafter(nn.Module):
         x = embeds
         for layer, context in zip(self.layers, contexts):
             x = layer(x, positions, context, visible)
+        return self.final_norm(x)
+
+    def block_states_batched(self, embeds: torch.Tensor, positions: torch.Tensor, contexts: list[torch.Tensor],
+                           num_context: torch.Tensor) -> torch.Tensor:
+        """`block_states` for B blocks (serving's form): `embeds` [B, G, d] at `positions` [B, G]; per layer the
+        blocks' context rows padded to one length, [B, T, r + rho], of which block b sees the first
+        `num_context[b]`. Returns [B, G, d]."""
+        x = embeds
+        for layer, context in zip(self.layers, contexts):
+            x = layer.forward_blocks(x, positions, context, num_context)
         return self.final_norm(x)
 
     def markov_bias(self, previous: torch.Tensor) -> torch.Tensor | float:

@@ -23,7 +23,8 @@ def build_proposer(config: SpeculativeConfig, model=None, cache=None, backend=No
     if config.method == "mtp":
         return MTPProposer(model, cache, backend, send_draft)
     if config.method == "dspark":
-        return DSparkProposer(model, drafter, cache, drafter_layer, default_generator, config.dspark_min_confidence)
+        return DSparkProposer(model, drafter, cache, drafter_layer, default_generator, config.dspark_min_confidence,
+                              config.dspark_max_skip)
     if config.method == "suffix":
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)

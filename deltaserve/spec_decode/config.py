@@ -24,7 +24,10 @@ class SpeculativeConfig:
     max_cached_requests: past responses kept for matching; max_spec_factor: drafts per matched token;
     min_token_prob: a draft stops at a token whose estimated probability is lower). `dspark_min_confidence`: a DSpark
     block stops before the draft at which the product of the drafter's probabilities of its drafts so far (its
-    estimate that all of them survive verification) falls below it; 0 verifies the whole block."""
+    estimate that all of them survive verification) falls below it; 0 verifies the whole block.
+    `dspark_max_skip`: a request whose block was cut to no drafts skips the drafter for the next 1, 2, 4, ... steps
+    (doubling while its blocks stay empty, at most this many; reset by a block with drafts), so text the drafter
+    cannot predict does not pay for its pass every step; 0 drafts every step."""
 
     method: str
     num_speculative_tokens: int
@@ -34,6 +37,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     dspark_min_confidence: float = 0.3
+    dspark_max_skip: int = 8
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,6 +52,9 @@ class SpeculativeConfig:
                               "suffix_decoding_max_cached_requests >= 0")
         if not 0 <= self.dspark_min_confidence <= 1:
             raise ConfigError("speculative_config: dspark_min_confidence must be in [0, 1]")
+        if not isinstance(self.dspark_max_skip, int) or self.dspark_max_skip < 0:
+            raise ConfigError(f"speculative_config: dspark_max_skip must be an integer >= 0, got "
+                              f"{self.dspark_max_skip!r}")
         if self.suffix_decoding_max_spec_factor <= 0 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ConfigError("speculative_config: suffix_decoding_max_spec_factor must be > 0 and "
                               "suffix_decoding_min_token_prob in [0, 1]")

@@ -1,4 +1,4 @@
-"""MTP drafting (docs/serving.md §9.5, docs/model.md §13): the checkpoint's first MTP layer proposes the token after
+"""MTP drafting (docs/serving.md §9.4, docs/model.md §13): the checkpoint's first MTP layer proposes the token after
 next from the target's pre-norm state one position back and the newest token, and is chained on its own output
 for more drafts.
 

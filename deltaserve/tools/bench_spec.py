@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from ..engine.config import EngineArgs
 from ..engine.llm_engine import LLMEngine
@@ -119,7 +119,11 @@ def run_spec(args: argparse.Namespace) -> str:
 
 
 def _name(proposer: dict) -> str:
-    return f"{proposer['method']} k={proposer['num_speculative_tokens']}"
+    """`method k=N`, then each knob set away from its default (two configs of one method differ by those)."""
+    defaults = {f.name: f.default for f in fields(SpeculativeConfig)}
+    knobs = [f"{k}={v}" for k, v in proposer.items()
+             if k not in ("method", "num_speculative_tokens", "model") and k in defaults and v != defaults[k]]
+    return " ".join([f"{proposer['method']} k={proposer['num_speculative_tokens']}", *knobs])
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:

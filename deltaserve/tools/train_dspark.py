@@ -1,4 +1,4 @@
-"""Train a DSpark drafter (deltaserve/models/dspark.py, docs/serving.md §9.6) for a target model, on the target's
+"""Train a DSpark drafter (deltaserve/models/dspark.py, docs/serving.md §9.4) for a target model, on the target's
 own training corpus, and write it as a drafter folder (config.json with model_type k3_dspark, model.safetensors,
 training.json).
 
