@@ -208,3 +208,33 @@ def random_prompts(lengths: list[int], seed: int, high: int) -> list[list[int]]:
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def with_mtp_copies(path, out, count: int):
+    """A copy of checkpoint folder `path` in `out` whose one MTP layer is repeated `count` times (layers L ..
+    L + count - 1 all hold layer L's tensors, num_nextn_predict_layers = count): a checkpoint with several trained MTP
+    layers, each drafting as well as the first one does at its own depth."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    path, out = Path(path), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    assert text["num_nextn_predict_layers"] == 1
+    L = text["num_hidden_layers"]
+    text["num_nextn_predict_layers"] = count
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(path / "model.safetensors"))
+    first = f"model.layers.{L}."
+    for name in [n for n in tensors if first in n]:
+        for j in range(1, count):
+            tensors[name.replace(first, f"model.layers.{L + j}.")] = tensors[name].clone()
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    return out

@@ -362,6 +362,72 @@ def test_mtp_drafts_are_the_layer_run_without_a_cache(make_checkpoint):
     assert checked > 40 and near_ties <= 2, (checked, near_ties)
 
 
+def _mtp_cascade_reference(model, tokens: list[int], k: int) -> list[int]:
+    """The greedy drafts of a checkpoint's MTP layers after `tokens` by plain forwards (no cache), aligned as in
+    training: layer j's row p reads token p and, one position back, the target's state (j = 0) or layer j - 1's
+    output (zero at p = 0); draft d comes from layer min(d, n) - 1 at the newest position + d - 1, and past
+    position newest + n - 1 the last layer reads its own output one position back."""
+    n, hi = len(model.mtp), len(tokens) - 1
+    seq = list(tokens)
+    main = model(torch.tensor(tokens[:hi]), StepBatch.single(hi))
+    outs: list[torch.Tensor | None] = [None] * n  # layer j's outputs at positions 0 .. its last
+    drafts = []
+    for d in range(1, k + 1):
+        j, p = min(d, n) - 1, hi + d - 1
+        src = main if j == 0 else outs[j - 1][:hi + j]  # what rows 1 .. hi + j read one position back
+        if p > hi + j:
+            src = torch.cat([src, outs[j][hi + j:p]])
+        back = torch.cat([src.new_zeros(1, src.shape[1]), src])
+        out = model.mtp[j](model.embed_tokens(torch.tensor(seq[:p + 1])), back, torch.arange(p + 1),
+                           StepBatch.single(p + 1))
+        outs[j] = out
+        drafts.append(int(model.mtp[j].logits(out[-1:])[0].argmax()))
+        seq.append(drafts[-1])
+    return drafts
+
+
+@torch.no_grad()
+def test_mtp_drafts_of_several_layers_are_the_layers_run_without_a_cache(make_checkpoint, tmp_path):
+    """A checkpoint with three MTP layers (k31-tiny's config, num_nextn_predict_layers 3), 4 drafts a step: every
+    draft the engine proposes (each layer's rows caught up layer by layer, chunk by chunk and step by step, the
+    layers after the drafting one computing their rows at the draft positions) is the plain cascade's, all but at
+    most two (rounding between the paged and the plain forms at a near-tie); the greedy outputs are those without
+    drafts."""
+    import dataclasses
+
+    from deltaserve.tools.make_model import write_checkpoint
+    from deltaserve.tools.presets import get_preset
+
+    preset = get_preset("k31-tiny")
+    config = json.loads(json.dumps(preset.config))
+    config["text_config"]["num_nextn_predict_layers"] = 3
+    path = str(write_checkpoint(dataclasses.replace(preset, config=config), tmp_path / "mtp3", dtype="float32"))
+    config4 = {"method": "mtp", "num_speculative_tokens": 4}
+    core, seen = _recorded_drafts(path, config4, [greedy(12)] * 4)
+    layers = core.model.config.num_layers
+    assert {f"latent.{layers + j}" for j in range(3)} <= set(core.pages.named_storage(drafter=True))
+    checked = near_ties = 0
+    for tokens, drafts in seen:
+        if not drafts:
+            continue
+        want = _mtp_cascade_reference(core.model, tokens, len(drafts))
+        if drafts != want:
+            near_ties += 1
+            continue
+        checked += 1
+    print(f"three MTP layers: {checked} proposals as the plain cascade, {near_ties} not")
+    assert checked > 10 and near_ties <= 2, (checked, near_ties)
+    assert any(len(drafts) == 4 for _, drafts in seen)  # every layer drafted, and the last one past them
+    prompts = _looping_prompts(preset.num_bpe_ranks)
+    params = [greedy(20) for _ in prompts]
+    params[1] = greedy(20, n=2)  # a fork: its first rows of layers 1 and 2 read zero one position back
+    stats = new_stats("three MTP layers")
+    engine, _ = _assert_greedy_as_without_speculation(path, prompts, params, stats, speculative_config=config4,
+                                                      max_num_batched_tokens=20)
+    assert engine.core.spec_stats.num_draft_tokens > 0
+    stats.assert_rare()
+
+
 def test_mtp_needs_mtp_layers(make_checkpoint):
     with pytest.raises(ConfigError, match="no MTP layers"):
         make_llm(make_checkpoint("kimi-linear-tiny"), speculative_config=MTP)

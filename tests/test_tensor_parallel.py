@@ -25,7 +25,7 @@ from deltaserve.errors import ConfigError
 from deltaserve.models.loader import load_model
 from deltaserve.tools.corpus import VALIDATION_PATH
 from block_utils import count_programs
-from engine_utils import assert_pools_free, greedy, make_llm, pool_bytes, random_prompts
+from engine_utils import assert_pools_free, greedy, make_llm, pool_bytes, random_prompts, with_mtp_copies
 from parallel_utils import LAYOUTS, sharded_logits
 from server_utils import cmdline, descendants, free_port, iter_sse, metric, pid_alive, run_server, wait_until
 
@@ -114,18 +114,22 @@ def _speculation_scenario(path, speculative_config=None, **parallel):
     return [[c.token_ids for c in o.outputs] for run in runs for o in run], counts
 
 
-@pytest.mark.parametrize("method, parallel", [("suffix", dict(tensor_parallel_size=2)),
-                                              ("mtp", dict(tensor_parallel_size=2)),
-                                              ("mtp", dict(tensor_parallel_size=2, enable_expert_parallel=True))],
-                         ids=["suffix-tp2", "mtp-tp2", "mtp-tp2-ep"])
-def test_speculative_decoding_over_ranks(method, parallel):
+@pytest.mark.parametrize("method, mtp_layers, parallel", [
+    ("suffix", 1, dict(tensor_parallel_size=2)),
+    ("mtp", 1, dict(tensor_parallel_size=2)),
+    ("mtp", 3, dict(tensor_parallel_size=2, enable_expert_parallel=True))],
+    ids=["suffix-tp2", "mtp-tp2", "mtp3-tp2-ep"])
+def test_speculative_decoding_over_ranks(tmp_path_factory, method, mtp_layers, parallel):
     """The default model over 2 ranks with suffix drafts (rank 0 alone drafts; the verify steps' rows and KDA
-    snapshots run on every rank) and MTP drafts (every run of the MTP layer, catch-up and chained, runs on every
-    rank's shard of it): the greedy tokens of one process without drafts, and the drafts one process makes and keeps
-    with them, some kept and some rejected."""
+    snapshots run on every rank) and MTP drafts (every run of an MTP layer, catch-up and chained, runs on every
+    rank's shard of it; with its MTP layer copied into three, each layer's runs on that layer): the greedy tokens of
+    one process without drafts, and the drafts one process makes and keeps with them, some kept and some
+    rejected."""
     path = default_model_path()
+    if mtp_layers > 1:
+        path = with_mtp_copies(path, tmp_path_factory.mktemp("mtp_copies"), mtp_layers)
     config = {"method": method, "num_speculative_tokens": 3}
-    key = ("speculation", method)
+    key = ("speculation", method, mtp_layers)
     if key not in _ONE_PROCESS:
         _ONE_PROCESS[key] = (_speculation_scenario(path)[0], _speculation_scenario(path, config)[1])
     want_tokens, want_counts = _ONE_PROCESS[key]

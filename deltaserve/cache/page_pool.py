@@ -178,10 +178,9 @@ class PagePool:
     def padded_slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
         """[len(block_tables), length] flat rows of positions 0..length-1 of each request; positions past a request's
         pages read rows of block 0 (padding, for the caller to mask)."""
-        table = torch.zeros(len(block_tables), max(1, -(-length // self.block_size)), dtype=torch.long)
-        for b, blocks in enumerate(block_tables):
-            used = blocks[:table.shape[1]]
-            table[b, :len(used)] = torch.tensor(used, dtype=torch.long)
+        width = max(1, -(-length // self.block_size))
+        table = torch.tensor([blocks[:width] + [0] * (width - len(blocks[:width])) for blocks in block_tables],
+                             dtype=torch.long).view(len(block_tables), width)
         pos = torch.arange(length)
         return table[:, pos // self.block_size] * self.block_size + pos % self.block_size
 

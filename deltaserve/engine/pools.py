@@ -77,9 +77,9 @@ def build_pools(config, args: EngineArgs, dtype: torch.dtype, sizes: PoolSizes, 
 
 
 def drafter_cache_layers(config, spec, drafter=None) -> tuple[int, ...]:
-    """Latent-cache layers a drafter adds to the page pool, numbered from the target's num_layers: the first MTP
-    layer's, or one per layer of the DSpark `drafter`."""
+    """Latent-cache layers a drafter adds to the page pool, numbered from the target's num_layers: one per MTP
+    layer, or one per layer of the DSpark `drafter`."""
     if spec is None or spec.method == "suffix":
         return ()
-    count = 1 if spec.method == "mtp" else drafter.config.num_hidden_layers
+    count = config.num_nextn_predict_layers if spec.method == "mtp" else drafter.config.num_hidden_layers
     return tuple(range(config.num_layers, config.num_layers + count))

@@ -5,9 +5,9 @@ Rank 0 alone schedules. Before each forward it broadcasts one `StepLayout` (engi
 a fixed header, then the body the header sizes; never pickle — together with the journal of its pools' data
 changes since the last step (slots zeroed or copied, pages copied: cache/state_slots.py), which each worker replays
 in order before running the same step; every collective inside the forward (the layers' all-reduces, the logits'
-gather) then pairs up rank by rank. With MTP drafting (spec_decode/mtp.py) rank 0 also sends each run of the MTP
-layer the same way, as a header of kind DRAFT, the layout of the layer's rows, and the target states they read (one
-float tensor), so that every rank runs that layer's shard too. A header of kind STOP ends the workers.
+gather) then pairs up rank by rank. With MTP drafting (spec_decode/mtp.py) rank 0 also sends each run of an MTP
+layer j the same way, as a header of kind DRAFT + j, the layout of the layer's rows, and the states they read one
+position back (one float tensor), so that every rank runs that layer's shard too. A header of kind STOP ends the workers.
 
 Failure: a step's collective that does not complete within `distributed_timeout` seconds raises on every rank still
 there; rank 0 then fails its requests and the engine stops (EngineCore); a worker whose peer is gone exits. Start-up
@@ -143,9 +143,10 @@ class Workers:
         dist.broadcast(body, src=0, group=self.group)
         self.clock.add(started)
 
-    def send_draft(self, layout: StepLayout, hidden: torch.Tensor) -> None:
-        """A run of the MTP layer: its rows' layout and the target states [rows, d] they read."""
-        header, body = encode(layout, self.journal, DRAFT)
+    def send_draft(self, layout: StepLayout, hidden: torch.Tensor, layer: int) -> None:
+        """A run of MTP layer `layer` (header kind DRAFT + layer): its rows' layout and the states [rows, d] they
+        read one position back."""
+        header, body = encode(layout, self.journal, DRAFT + layer)
         self.journal.clear()
         started = time.perf_counter()
         dist.broadcast(header, src=0, group=self.group)
@@ -228,10 +229,10 @@ def worker_main(rank: int, args: EngineArgs, model_path: str, port: int) -> None
             dist.broadcast(body, src=0, group=group)
             layout, journal = decode(header, body)
             replay(journal, cache)
-            if int(header[0]) == DRAFT:
+            if int(header[0]) >= DRAFT:
                 hidden = torch.empty(len(layout.ids), model.config.hidden_size)
                 dist.broadcast(hidden, src=0, group=group)
-                mtp.run_layout(layout, hidden)
+                mtp.run_layout(layout, hidden, int(header[0]) - DRAFT)
             else:
                 runner.run_layout(layout)
     except RuntimeError as exc:  # rank 0 or a peer is gone (a collective failed or timed out)

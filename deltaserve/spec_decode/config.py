@@ -16,7 +16,7 @@ class SpeculativeConfig:
     """How drafts are proposed and how many a request may verify per step.
 
     `method`: "suffix" (model-free: the request's own prompt and output and recent responses), "mtp" (the
-    checkpoint's first MTP layer, chained for k > 1) or "dspark" (the DSpark drafter folder at `model`, by default
+    checkpoint's MTP layers, layer j drafting the (j + 1)-th token, the last chained on its own output past them) or "dspark" (the DSpark drafter folder at `model`, by default
     the one shipped beside the target, its folder's `dspark/`; drafts at
     most its block size per step). `num_speculative_tokens`: the most
     drafts one request verifies in a step (the suffix proposer drafts fewer when its match is short). The

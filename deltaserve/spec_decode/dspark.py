@@ -51,9 +51,12 @@ class DSparkProposer(Proposer):
             seq.num_drafter_tokens = max(seq.num_drafter_tokens, hi)
         if not picked:
             return
-        states = step.hidden[torch.cat([torch.arange(row, row + hi - lo) for _, lo, hi, row in picked])]
-        positions = torch.cat([torch.arange(lo, hi) for _, lo, hi, _ in picked])
-        rows = torch.cat([self.cache.pages.slots(seq.block_ids, lo, hi) for seq, lo, hi, _ in picked])
+        # index lists built in Python: a decode step brings a request a row or a few, and a torch op per request
+        # would cost more than the pass itself
+        B = self.cache.pages.block_size
+        states = step.hidden[torch.tensor([r for _, lo, hi, row in picked for r in range(row, row + hi - lo)])]
+        positions = torch.tensor([p for _, lo, hi, _ in picked for p in range(lo, hi)])
+        rows = torch.tensor([seq.block_ids[p // B] * B + p % B for seq, lo, hi, _ in picked for p in range(lo, hi)])
         for layer, latent in zip(self.layers, self.drafter.context_latents(states, positions)):
             self.cache.write_mla_rows(layer, rows, latent, None)
 
