@@ -22,9 +22,10 @@ run: install
 NATIVE_TESTS := tests/test_native.py tests/test_native_mx.py tests/test_native_ops.py tests/test_native_program.py tests/test_opsets.py \
 	--deselect tests/test_native.py::test_tiles_are_usable_where_the_cpu_has_amx_bf16
 
-# OpenMP threads that spin while waiting slow everything down ~10x when another process shares the 2 cores.
+# OpenMP threads that spin while waiting slow everything down ~10x when another process shares the 2 cores. The
+# slowest tests are listed at the end: the suite is kept under 20 minutes on 2 cores.
 test: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q --durations=15
 	if [ "$$(uname -m)" = x86_64 ]; then \
 		OMP_WAIT_POLICY=PASSIVE DELTASERVE_NATIVE_MARCH=x86-64-v3 $(PY) -m pytest -q $(NATIVE_TESTS); fi
 

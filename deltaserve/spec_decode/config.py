@@ -36,7 +36,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    dspark_min_confidence: float = 0.3
+    dspark_min_confidence: float = 0.15
     dspark_max_skip: int = 8
 
     def __post_init__(self) -> None:
