@@ -258,14 +258,28 @@ def test_expert_load_counts_what_the_routers_pick(tokens):
     assert all(1 <= f <= config.num_experts / config.num_experts_per_token for f in figures)
 
 
-def test_report_reads_a_model_folder(tokens, tmp_path):
+def test_report_reads_a_model_folder(tokens, tmp_path, monkeypatch):
+    """The report's perplexities are `evaluate` over the whole validation and CPython test texts (the losses it
+    computed are recorded rather than computed again: each pass over a whole text takes a while)."""
+    from deltaserve.tools import train as train_module
+
     model, config = build_model(_tiny_config(), 0)
     train(model, tokens, steps=3, batch=BATCH, seq_len=SEQ, lr=1e-2, seed=0, warmup=1, progress=False)
     out = export_model(model, config, _tiny_config(), default_model_path(), tmp_path / "m", dtype=torch.float32)
+    passes = []
+
+    def recorded(model, ids, **kw):
+        loss = evaluate(model, ids, **kw)
+        passes.append((len(ids), kw.get("max_tokens"), loss))
+        return loss
+
+    monkeypatch.setattr(train_module, "evaluate", recorded)
     figures = report(out)
-    loaded = deltaserve.load_model(out, dtype="float32")
-    val = deltaserve.load_tokenizer(out).encode(corpus.validation_text())
-    assert figures["validation_ppl"] == pytest.approx(math.exp(evaluate(loaded, val, max_tokens=len(val))))
+    tok = deltaserve.load_tokenizer(out)
+    texts = [len(tok.encode(corpus.validation_text())), len(tok.encode(corpus.test_suite_text()))]
+    assert [(n, m) for n, m, _ in passes] == [(n, n) for n in texts]  # whole texts, in that order
+    assert figures["validation_ppl"] == pytest.approx(math.exp(passes[0][2]))
+    assert figures["cpython_tests_ppl"] == pytest.approx(math.exp(passes[1][2]))
     assert 1 < figures["cpython_tests_ppl"] < math.inf
     assert 0 <= figures["mtp_greedy_agreement"] <= 1 and 0 < figures["indexer_recall_1k"] <= 1
     assert len(figures["expert_load_max_over_mean"]) >= 2

@@ -16,10 +16,10 @@ class SpeculativeConfig:
     """How drafts are proposed and how many a request may verify per step.
 
     `method`: "suffix" (model-free: the request's own prompt and output and recent responses), "mtp" (the
-    checkpoint's MTP layers, layer j drafting the (j + 1)-th token, the last chained on its own output past them) or "dspark" (the DSpark drafter folder at `model`, by default
-    the one shipped beside the target, its folder's `dspark/`; drafts at
-    most its block size per step). `num_speculative_tokens`: the most
-    drafts one request verifies in a step (the suffix proposer drafts fewer when its match is short). The
+    checkpoint's MTP layers, layer j drafting the (j + 1)-th token, the last chained on its own output past them)
+    or "dspark" (the DSpark drafter folder at `model`, by default the one shipped beside the target, its folder's
+    `dspark/`; drafts at most its block size per step). `num_speculative_tokens`: the most drafts one request
+    verifies in a step (the suffix proposer drafts fewer when its match is short). The
     `suffix_decoding_*` knobs are vLLM's names for the suffix proposer (max_tree_depth: the longest suffix matched;
     max_cached_requests: past responses kept for matching; max_spec_factor: drafts per matched token;
     min_token_prob: a draft stops at a token whose estimated probability is lower). `dspark_min_confidence`: a DSpark
