@@ -5,9 +5,13 @@ and the one greedy oracle (`assert_same_greedy`) that compares engine tokens wit
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cache.page_pool import PagePool
@@ -214,12 +218,6 @@ def with_mtp_copies(path, out, count: int):
     """A copy of checkpoint folder `path` in `out` whose one MTP layer is repeated `count` times (layers L ..
     L + count - 1 all hold layer L's tensors, num_nextn_predict_layers = count): a checkpoint with several trained MTP
     layers, each drafting as well as the first one does at its own depth."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    from safetensors.torch import load_file, save_file
-
     path, out = Path(path), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for f in path.iterdir():

@@ -30,7 +30,6 @@ class _Rows(NamedTuple):
     seq: Any
     start: int  # first drafter row (position) computed this step
     tokens: list[int]  # token at each row's position
-    hidden: torch.Tensor  # [rows, d] what each row reads one position back (the target's state, for layer 0)
 
 
 class MTPProposer(Proposer):
@@ -61,11 +60,12 @@ class MTPProposer(Proposer):
         """Compute every scheduled request's rows of every layer up to its newest token, layer by layer; keep each
         one's outputs at its newest row and the draft layer 0's gives (what `propose` starts from)."""
         self._last = {}
-        catch_up = [rows for rows in (self._rows(c, step) for c in step.chunks) if rows is not None]
-        if not catch_up:
+        picked = [p for p in (self._rows(c, step) for c in step.chunks) if p is not None]
+        if not picked:
             return
+        catch_up = [rows for rows, _ in picked]
         ends = torch.tensor([len(r.tokens) for r in catch_up]).cumsum(0)
-        back, outs = torch.cat([r.hidden for r in catch_up]), []
+        back, outs = torch.cat([target for _, target in picked]), []  # layer 0 reads the target's states
         first_drafts = None  # layer 0's, at each request's newest row
         for j in range(len(self.layers)):
             out, tokens = self._run(catch_up, back, j)
@@ -122,8 +122,7 @@ class MTPProposer(Proposer):
             here = outs.clone()
             for layer in range(min(depth, n - 1), n):
                 reads = outs[:, layer - 1] if depth < n else outs[:, n - 1]
-                rows = [_Rows(requests[i].seq, p, [drafts[i][-1]], reads[j:j + 1])
-                        for j, (i, p) in enumerate(zip(live, position))]
+                rows = [_Rows(requests[i].seq, p, [drafts[i][-1]]) for i, p in zip(live, position)]
                 here[:, layer], tokens = self._run(rows, reads, layer)
                 if layer == min(depth, n - 1):
                     token = tokens.tolist()
@@ -133,9 +132,10 @@ class MTPProposer(Proposer):
         """Its drafter rows live in its pages; what it carried to the next catch-up is dropped."""
         self._carried.pop(seq, None)
 
-    def _rows(self, chunk, step: TargetStep) -> _Rows | None:
-        """The drafter rows a scheduled request catches up this step: from `num_drafter_tokens` to its newest token,
-        each with the target's state one position back (this step's row, the state carried from a fork, or zero)."""
+    def _rows(self, chunk, step: TargetStep) -> tuple[_Rows, torch.Tensor] | None:
+        """The drafter rows a scheduled request catches up this step (from `num_drafter_tokens` to its newest token)
+        and the target's state one position back of each [rows, d] (this step's row, the state carried from a fork,
+        or zero)."""
         seq, start, num_rows, first_row = chunk
         if seq.is_finished or seq.state_slot is None:
             return None
@@ -150,7 +150,7 @@ class MTPProposer(Proposer):
         if carried is not None and lo <= carried[0] + 1 <= hi and not a <= carried[0] + 1 <= b:
             hidden[carried[0] + 1 - lo] = carried[1]
         seq.drafter_hidden = None
-        return _Rows(seq, lo, seq.token_slice(lo, hi + 1), hidden)
+        return _Rows(seq, lo, seq.token_slice(lo, hi + 1)), hidden
 
     def _run(self, rows: list[_Rows], hidden: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer `layer` over each sequence's rows (positions start .. start + len - 1, after `start` cached
