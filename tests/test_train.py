@@ -13,7 +13,7 @@ from deltaserve.tools import corpus
 from deltaserve.tools.presets import _TINY, k3_config, k3_text_config
 from deltaserve.layers.batch import StepBatch
 from deltaserve.layers.moe import Router
-from deltaserve.tools.train import (IndexerInputs, LoadBalancer, attention_mass, build_model,
+from deltaserve.tools.train import (IndexerInputs, LoadBalancer, attention_mass, average_models, build_model,
                                    check_header_completion, evaluate, expert_load, export_model, function_body,
                                    header_prompt, indexer_loss, indexer_recall, load_initial_weights, mtp_agreement,
                                    mtp_loss, report, step_batch, train)
@@ -203,6 +203,31 @@ def test_a_new_stage_starts_from_a_state_or_a_model_folder(tokens, tmp_path):
     _, fresh = _run(tokens, 1)
     _, continued = _run(tokens, 1, model=model)
     assert len(continued["losses"]) == STEPS and continued["losses"][0] < fresh["losses"][0] - 0.5
+
+
+def test_a_stage_from_several_sources_starts_from_their_mean(tokens, tmp_path):
+    """--init A B and --average A B (a model soup): the mean of the sources' weights, each source recorded; the
+    averaged folder loads through the normal path with the first folder's config and tokenizer."""
+    state = tmp_path / "state.safetensors"
+    first, _ = _run(tokens, 0, state_path=state, stop_at=4)
+    second, _ = _run(tokens, 1, steps=6)
+    folders = [export_model(m, build_model(_tiny_config(), 0)[1], _tiny_config(), default_model_path(),
+                            tmp_path / name, dtype=torch.float32, extra={"step": step, "tokens_seen": step * 5})
+               for m, name, step in ((first, "a", 4), (second, "b", 6))]
+    mean = {k: (v + second.state_dict()[k]) / 2 for k, v in first.state_dict().items()}
+    assert any(not torch.equal(v, mean[k]) for k, v in first.state_dict().items())
+    model, _ = build_model(_tiny_config(), 2)
+    assert load_initial_weights(model, [state, folders[1]]) == [
+        {"from": "state.safetensors", "step": 4, "tokens_seen": 4 * BATCH * SEQ},
+        {"from": "b", "step": 6, "tokens_seen": 30}]
+    assert all(torch.equal(v, mean[k]) for k, v in model.state_dict().items())
+    out = average_models(folders, tmp_path / "soup")
+    soup = deltaserve.load_model(out, dtype="float32").state_dict()
+    assert all(torch.equal(v, mean[k]) for k, v in soup.items())
+    record = json.loads((out / "training.json").read_text())["average_of"]
+    assert [(r["from"], r["step"]) for r in record] == [("a", 4), ("b", 6)]
+    assert deltaserve.load_tokenizer(out).encode("def f(x):") == deltaserve.load_tokenizer(folders[0]).encode(
+        "def f(x):")
 
 
 def test_export_loads_through_normal_path(tokens, tmp_path):

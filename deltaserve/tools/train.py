@@ -438,20 +438,47 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, meta
 
 
-def load_initial_weights(model: torch.nn.Module, source: Path) -> dict:
-    """Start a new stage from earlier weights: `source` is a run's state.safetensors (its fp32 weights exactly) or a
-    model folder (e.g. the shipped default model, its bf16 weights widened to fp32) of the same shape. The optimiser
-    and LR schedule start afresh. Returns what training.json records of it: {"from", "step", "tokens_seen"}."""
+def _source_weights(source: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The fp32 weights of a run's state.safetensors (exactly) or of a model folder (its bf16 weights widened), and
+    what it records of its training (the state's progress, the folder's training.json)."""
     if source.is_dir():
         from ..models.loader import load_model
 
-        model.load_state_dict(load_model(source, dtype="float32").state_dict())
         record = source / "training.json"
-        meta = json.loads(record.read_text()) if record.exists() else {}
-    else:
-        tensors, meta = _load(source)
-        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-    return {"from": source.name, "step": meta.get("step"), "tokens_seen": meta.get("tokens_seen")}
+        return (load_model(source, dtype="float32").state_dict(),
+                json.loads(record.read_text()) if record.exists() else {})
+    tensors, meta = _load(source)
+    return {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, meta
+
+
+def load_initial_weights(model: torch.nn.Module, sources: Path | list[Path]) -> dict | list[dict]:
+    """Start a new stage from earlier weights: each source is a run's state.safetensors or a model folder (e.g. the
+    shipped default model) of the same shape; several sources start from the mean of their weights (a model soup:
+    runs that branched from one model stay in one basin, and their mean is often better than each). The optimiser
+    and LR schedule start afresh. Returns what training.json records of each: {"from", "step", "tokens_seen"}
+    (a list when several were given)."""
+    many = isinstance(sources, (list, tuple))
+    records, total = [], None
+    for source in sources if many else [sources]:
+        weights, meta = _source_weights(source)
+        total = weights if total is None else {k: v + weights[k] if v.is_floating_point() else v
+                                               for k, v in total.items()}
+        records.append({"from": source.name, "step": meta.get("step"), "tokens_seen": meta.get("tokens_seen")})
+    model.load_state_dict({k: v / len(records) if v.is_floating_point() else v for k, v in total.items()})
+    return records if many else records[0]
+
+
+def average_models(sources: list[Path], out: Path) -> Path:
+    """Write ``out`` as the mean of model folders' weights (a model soup), in the first folder's config and
+    tokenizer; its training.json lists each folder's (their shapes must agree: the loader checks every tensor)."""
+    raw = json.loads((sources[0] / "config.json").read_text())
+    model, config = build_model(raw, 0)
+    load_initial_weights(model, list(sources))
+    records = [json.loads((d / "training.json").read_text()) if (d / "training.json").exists() else {}
+               for d in sources]
+    dtype = torch.float32 if raw.get("torch_dtype") == "float32" else torch.bfloat16
+    return export_model(model, config, raw, sources[0], out, dtype=dtype,
+                        extra={"average_of": [{"from": d.name, **r} for d, r in zip(sources, records)]})
 
 
 def _save_training_state(path: Path, model, opt, gen: torch.Generator, info: dict,
@@ -624,10 +651,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--corpus", choices=corpus.CORPORA, default="core",
                     help="core: the standard library and PACKAGES; extended: also EXTRA_PACKAGES with their tests "
                          "(deltaserve.tools.corpus)")
-    ap.add_argument("--init", type=Path, default=None, metavar="STATE_OR_MODEL",
+    ap.add_argument("--init", type=Path, nargs="+", default=None, metavar="STATE_OR_MODEL",
                     help="start from the weights of an earlier run's state.safetensors or of a model folder of the "
-                         "same shape (a new stage: fresh optimiser and LR schedule); ignored once this run's own "
-                         "state exists")
+                         "same shape, or from the mean of several (a new stage: fresh optimiser and LR schedule); "
+                         "ignored once this run's own state exists")
+    ap.add_argument("--average", type=Path, nargs="+", default=None, metavar="MODEL_DIR",
+                    help="write --out as the mean of these model folders' weights (a model soup; the tokenizer is "
+                         "the first folder's) and exit; its training.json keeps each folder's")
     ap.add_argument("--quant-noise", type=float, default=0.0, metavar="P",
                     help="each step, run each layer that --quant-noise-scheme quantises fake-quantised with "
                          "probability P (0: never)")
@@ -639,6 +669,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if args.report is not None:
         print(json.dumps(report(args.report), indent=2))
+        return
+
+    if args.average is not None:
+        average_models(args.average, args.out)
+        print(f"{args.out}: the mean of {len(args.average)} models' weights")
         return
 
     preset = get_preset(args.preset)
@@ -673,7 +708,8 @@ def main(argv: list[str] | None = None) -> None:
     val_ids = tokenizer.encode(corpus.validation_text())
 
     model, config = build_model(raw, args.seed)
-    stage = {"init": load_initial_weights(model, args.init)} if args.init is not None else {}
+    stage = {"init": load_initial_weights(model, args.init if len(args.init) > 1 else args.init[0])} \
+        if args.init is not None else {}
     noise = QuantNoise.attach(model, get_scheme(args.quant_noise_scheme), args.quant_noise, args.seed) \
         if args.quant_noise else None
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params; {len(tokens)} training tokens")
