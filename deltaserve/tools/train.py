@@ -637,6 +637,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--deadline", type=str, default=None, help="stop after this UTC time, HH:MM (checkpointed)")
+    ap.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                    help="stop after this step (checkpointed); the LR schedule still follows --steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mtp-weight", type=float, default=0.3, help="weight of the MTP layers' loss (none without them)")
     ap.add_argument("--indexer-weight", type=float, default=1.0,
@@ -747,8 +749,9 @@ def main(argv: list[str] | None = None) -> None:
 
     res = train(model, tokens, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
                 seed=args.seed, warmup=args.warmup, state_path=args.work / "state.safetensors",
-                ckpt_every=args.ckpt_every, on_checkpoint=on_checkpoint, deadline=deadline, mtp_weight=args.mtp_weight,
-                balance_rate=args.balance_rate, indexer_weight=args.indexer_weight, quant_noise=noise)
+                ckpt_every=args.ckpt_every, on_checkpoint=on_checkpoint, deadline=deadline, stop_at=args.stop_at,
+                mtp_weight=args.mtp_weight, balance_rate=args.balance_rate, indexer_weight=args.indexer_weight,
+                quant_noise=noise)
     print(f"done: {res['step']} steps, {res['tokens_seen']} tokens, {res['seconds']:.0f}s")
 
 
