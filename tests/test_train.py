@@ -197,7 +197,7 @@ def test_a_new_stage_starts_from_a_state_or_a_model_folder(tokens, tmp_path):
                           tmp_path / "m", dtype=torch.float32, extra=seen)
     for source in (state, folder):
         model, _ = build_model(_tiny_config(), 1)
-        assert load_initial_weights(model, source) == {"from": source.name, **seen}
+        assert load_initial_weights(model, [source]) == [{"from": source.name, **seen}]
         expected = trained.state_dict()
         assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()), source
     _, fresh = _run(tokens, 1)

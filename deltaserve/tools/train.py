@@ -451,21 +451,20 @@ def _source_weights(source: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, meta
 
 
-def load_initial_weights(model: torch.nn.Module, sources: Path | list[Path]) -> dict | list[dict]:
+def load_initial_weights(model: torch.nn.Module, sources: list[Path]) -> list[dict]:
     """Start a new stage from earlier weights: each source is a run's state.safetensors or a model folder (e.g. the
     shipped default model) of the same shape; several sources start from the mean of their weights (a model soup:
     runs that branched from one model stay in one basin, and their mean is often better than each). The optimiser
-    and LR schedule start afresh. Returns what training.json records of each: {"from", "step", "tokens_seen"}
-    (a list when several were given)."""
-    many = isinstance(sources, (list, tuple))
+    and LR schedule start afresh. Returns what training.json records of each source: {"from", "step",
+    "tokens_seen"}."""
     records, total = [], None
-    for source in sources if many else [sources]:
+    for source in sources:
         weights, meta = _source_weights(source)
         total = weights if total is None else {k: v + weights[k] if v.is_floating_point() else v
                                                for k, v in total.items()}
         records.append({"from": source.name, "step": meta.get("step"), "tokens_seen": meta.get("tokens_seen")})
     model.load_state_dict({k: v / len(records) if v.is_floating_point() else v for k, v in total.items()})
-    return records if many else records[0]
+    return records
 
 
 def average_models(sources: list[Path], out: Path) -> Path:
@@ -473,7 +472,7 @@ def average_models(sources: list[Path], out: Path) -> Path:
     tokenizer; its training.json lists each folder's (their shapes must agree: the loader checks every tensor)."""
     raw = json.loads((sources[0] / "config.json").read_text())
     model, config = build_model(raw, 0)
-    load_initial_weights(model, list(sources))
+    load_initial_weights(model, sources)
     records = [json.loads((d / "training.json").read_text()) if (d / "training.json").exists() else {}
                for d in sources]
     dtype = torch.float32 if raw.get("torch_dtype") == "float32" else torch.bfloat16
@@ -710,8 +709,10 @@ def main(argv: list[str] | None = None) -> None:
     val_ids = tokenizer.encode(corpus.validation_text())
 
     model, config = build_model(raw, args.seed)
-    stage = {"init": load_initial_weights(model, args.init if len(args.init) > 1 else args.init[0])} \
-        if args.init is not None else {}
+    stage = {}
+    if args.init is not None:
+        records = load_initial_weights(model, args.init)
+        stage["init"] = records[0] if len(records) == 1 else records
     noise = QuantNoise.attach(model, get_scheme(args.quant_noise_scheme), args.quant_noise, args.seed) \
         if args.quant_noise else None
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params; {len(tokens)} training tokens")
