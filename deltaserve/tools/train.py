@@ -451,20 +451,26 @@ def _source_weights(source: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, meta
 
 
+def _mean_weights(sources: list[Path]) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The mean of the sources' fp32 weights (each a state or a model folder, of one shape) and what each records."""
+    total, metas = None, []
+    for source in sources:
+        weights, meta = _source_weights(source)
+        total = weights if total is None else {k: v + weights[k] for k, v in total.items()}
+        metas.append(meta)
+    return {k: v / len(sources) for k, v in total.items()}, metas
+
+
 def load_initial_weights(model: torch.nn.Module, sources: list[Path]) -> list[dict]:
     """Start a new stage from earlier weights: each source is a run's state.safetensors or a model folder (e.g. the
     shipped default model) of the same shape; several sources start from the mean of their weights (a model soup:
     runs that branched from one model stay in one basin, and their mean is often better than each). The optimiser
     and LR schedule start afresh. Returns what training.json records of each source: {"from", "step",
     "tokens_seen"}."""
-    records, total = [], None
-    for source in sources:
-        weights, meta = _source_weights(source)
-        total = weights if total is None else {k: v + weights[k] if v.is_floating_point() else v
-                                               for k, v in total.items()}
-        records.append({"from": source.name, "step": meta.get("step"), "tokens_seen": meta.get("tokens_seen")})
-    model.load_state_dict({k: v / len(records) if v.is_floating_point() else v for k, v in total.items()})
-    return records
+    weights, metas = _mean_weights(sources)
+    model.load_state_dict(weights)
+    return [{"from": source.name, "step": meta.get("step"), "tokens_seen": meta.get("tokens_seen")}
+            for source, meta in zip(sources, metas)]
 
 
 def average_models(sources: list[Path], out: Path) -> Path:
@@ -472,9 +478,8 @@ def average_models(sources: list[Path], out: Path) -> Path:
     tokenizer; its training.json lists each folder's (their shapes must agree: the loader checks every tensor)."""
     raw = json.loads((sources[0] / "config.json").read_text())
     model, config = build_model(raw, 0)
-    load_initial_weights(model, sources)
-    records = [json.loads((d / "training.json").read_text()) if (d / "training.json").exists() else {}
-               for d in sources]
+    weights, records = _mean_weights(sources)
+    model.load_state_dict(weights)
     dtype = torch.float32 if raw.get("torch_dtype") == "float32" else torch.bfloat16
     return export_model(model, config, raw, sources[0], out, dtype=dtype,
                         extra={"average_of": [{"from": d.name, **r} for d, r in zip(sources, records)]})
